@@ -1,0 +1,53 @@
+# specdec — two commands do all set-up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/specdec/v1/*.proto)
+STUBS := specdec/v1/coordinator_pb2.py
+
+.PHONY: all venv proto test test-unit test-service test-e2e lint run models bench clean
+
+all: proto
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+$(STUBS): $(PROTOS) $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch $(STUBS)
+
+proto: $(STUBS)
+
+test: proto
+	$(PY) -m pytest -q tests
+
+test-unit: proto
+	$(PY) -m pytest -q tests/unit
+
+test-service: proto
+	$(PY) -m pytest -q tests/service
+
+test-e2e: proto
+	$(PY) -m pytest -q tests/e2e
+
+lint: proto
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+run: proto
+	$(VENV)/bin/specdec up
+
+models: $(STAMP)
+	$(PY) models/train.py --out models
+
+bench: proto
+	$(VENV)/bin/specdec bench
+
+clean:
+	rm -rf $(VENV) specdec/v1/*_pb2*.py specdec/v1/*_pb2*.pyi
