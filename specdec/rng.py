@@ -1,0 +1,65 @@
+"""Counter-based randomness: every draw is a pure function of (seed, position, stream).
+
+ARCHITECTURE.md invariant 5. A uniform in [0, 1) is the SplitMix64 finaliser applied to a
+key built from the session seed, the absolute token position and the stream, so a replay
+after a failover (or a batch of a different shape, or another machine) draws the same
+numbers. Implemented on int64 tensors with logical shifts emulated by masks, so it runs
+vectorised on any device and gives bit-identical results everywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+
+
+class Stream(enum.IntEnum):
+    """Independent random streams per position."""
+
+    DRAFT = 1  # the draft's sample of candidate y_i from q̃_i
+    ACCEPT = 2  # the accept test u < p(y)/q̃(y)
+    RESIDUAL = 3  # the recovered token (residual) or the bonus token (p_{γ+1})
+
+
+def _to_signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _srl(x, 30)) * _to_signed(_M1)
+    x = (x ^ _srl(x, 27)) * _to_signed(_M2)
+    return x ^ _srl(x, 31)
+
+
+def seed_tensor(seeds, device=None) -> torch.Tensor:
+    """uint64 seeds (Python ints) as an int64 tensor holding the same 64 bits."""
+    return torch.tensor([_to_signed(int(s)) for s in seeds], dtype=torch.int64, device=device)
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniform float64 in [0, 1) for each (seed, position) pair; shapes broadcast.
+
+    53 random bits, so u < 1 always and every value is exactly representable.
+    """
+    seed = seed.to(torch.int64)
+    position = position.to(torch.int64)
+    key = _mix(seed + _to_signed(_GOLDEN * (int(stream) + 1)))
+    x = _mix(key ^ (position * _to_signed(_GOLDEN)))
+    return _srl(x, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def uniform_scalar(seed: int, position: int, stream: int) -> float:
+    """One draw; the same value `uniform` gives for these arguments."""
+    return float(uniform(seed_tensor([seed]), torch.tensor([position]), stream)[0])

@@ -1,0 +1,120 @@
+"""The request's logits processors and exact sampling from a distribution.
+
+The processors run in a fixed order — temperature, top-k, top-p, min-p — and produce the
+exact distribution `p` (or the draft's `q`) that tokens are sampled from. Speculative
+verification preserves exactly this distribution (ARCHITECTURE.md invariant 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (mirrors specdec.v1.SamplingParams)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 0 or 1 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None
+    max_new_tokens: int = 0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, prefix: str = "sampling") -> None:
+        """Raise ValueError naming the field when a value is out of range."""
+        import math
+
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{prefix}.{name} must be finite, got {value}")
+        if self.temperature < 0:
+            raise ValueError(f"{prefix}.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"{prefix}.top_p must be in [0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"{prefix}.min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < 0:
+            raise ValueError(f"{prefix}.top_k must be >= 0, got {self.top_k}")
+
+
+def apply_processors(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed logits [..., vocab] (-inf outside the kept set) for sampling params.
+
+    Greedy requests are not processed: they take the argmax of the raw logits.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return logits
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0.0 < params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= 1.0 - params.top_p
+        drop_sorted[..., -1] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The exact distribution [..., vocab] (float64) that a token is sampled from.
+
+    Greedy gives the one-hot of the argmax (ties: lowest token id).
+    """
+    if params.greedy:
+        return one_hot(logits.argmax(dim=-1), logits.shape[-1])
+    return apply_processors(logits, params).double().softmax(dim=-1)
+
+
+def group_by_params(params: list[SamplingParams]) -> dict[SamplingParams, torch.Tensor]:
+    """Row indices of a batch that share the same sampling params (processed together)."""
+    groups: dict[tuple, tuple[SamplingParams, list[int]]] = {}
+    for row, item in enumerate(params):
+        key = (item.temperature, item.top_k, item.top_p, item.min_p)
+        groups.setdefault(key, (item, []))[1].append(row)
+    return {first: torch.tensor(rows) for first, rows in groups.values()}
+
+
+def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """probs_from_logits for a batch [B, ..., vocab] whose rows have their own params."""
+    out = torch.empty(logits.shape, dtype=torch.float64)
+    for key, rows in group_by_params(params).items():
+        out[rows] = probs_from_logits(logits[rows], key)
+    return out
+
+
+def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(tokens.long(), vocab).double()
+
+
+def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample index i with probability weights[..., i] / Σ weights using uniforms u [...].
+
+    Exact inverse-CDF sampling in float64; the result always has a positive weight.
+    """
+    weights = weights.double()
+    cdf = weights.cumsum(dim=-1)  # [..., vocab]
+    target = (u.double() * cdf[..., -1]).unsqueeze(-1)
+    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # u * total can round up to total: fall back to the last positive weight.
+    last_positive = (weights > 0).long().cumsum(dim=-1).argmax(dim=-1)
+    return torch.minimum(index, last_positive)
