@@ -1,0 +1,97 @@
+"""Per-session KV state: committed history, computed-KV length, crop and fingerprint.
+
+A worker keeps, per session, the token history it believes (`tokens`) and the KV of its
+first `kv_len` tokens in growable per-layer buffers. Committed length and computed-KV length
+are tracked separately (seed 000 §6): a recovered/bonus token is part of the history before
+its KV exists — it is computed when the token is fed in the next round. A rejection is undone
+by cropping: nothing is copied, the length just moves back (as gpt-fast indexes by position).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+import torch
+
+
+def fingerprint(tokens: Sequence[int]) -> bytes:
+    """16-byte digest of a token prefix; identical on every worker and the coordinator."""
+    return hashlib.blake2b(array("I", tokens).tobytes(), digest_size=16).digest()
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class KVSession:
+    """The history and KV cache one worker holds for one session."""
+
+    def __init__(self, session_id: str, epoch: int = 0):
+        self.session_id = session_id
+        self.epoch = epoch
+        self.tokens: list[int] = []  # history the worker holds (committed, then kept candidates)
+        self.kv_len = 0  # tokens[:kv_len] have KV computed
+        self.keys: list[torch.Tensor] = []  # per layer [heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def sync(self, history: Sequence[int]) -> int:
+        """Adopt `history` as the session's tokens, keeping KV of the common prefix only.
+
+        Returns the new kv_len. Rejected candidates and anything the caller does not confirm
+        are dropped here (invariant 3: no computation on a wrong history).
+        """
+        keep = common_prefix_len(self.tokens, history)
+        self.tokens = list(history)
+        self.kv_len = min(self.kv_len, keep)
+        return self.kv_len
+
+    def crop(self, length: int) -> None:
+        """Forget everything after the first `length` tokens (history and KV)."""
+        del self.tokens[length:]
+        self.kv_len = min(self.kv_len, length)
+
+    def pending(self) -> list[int]:
+        """History tokens whose KV is not computed yet (fed at the next forward)."""
+        return self.tokens[self.kv_len :]
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the computed KV of one layer: [heads, kv_len, head_dim] each."""
+        return self.keys[layer][:, : self.kv_len], self.values[layer][:, : self.kv_len]
+
+    def append_kv(self, new_keys: list[torch.Tensor], new_values: list[torch.Tensor]) -> None:
+        """Append KV [heads, n, head_dim] per layer after kv_len (buffers grow by doubling)."""
+        n = new_keys[0].shape[1]
+        need = self.kv_len + n
+        if need > self.capacity:
+            self._grow(max(need, 2 * self.capacity, 64), new_keys)
+        for layer, (k, v) in enumerate(zip(new_keys, new_values)):
+            self.keys[layer][:, self.kv_len : need] = k
+            self.values[layer][:, self.kv_len : need] = v
+        self.kv_len = need
+
+    def _grow(self, capacity: int, like: list[torch.Tensor]) -> None:
+        grown_k, grown_v = [], []
+        for layer, sample in enumerate(like):
+            heads, _, dim = sample.shape
+            k = torch.empty(heads, capacity, dim, dtype=sample.dtype, device=sample.device)
+            v = torch.empty_like(k)
+            if self.keys:
+                k[:, : self.kv_len] = self.keys[layer][:, : self.kv_len]
+                v[:, : self.kv_len] = self.values[layer][:, : self.kv_len]
+            grown_k.append(k)
+            grown_v.append(v)
+        self.keys, self.values = grown_k, grown_v

@@ -1,0 +1,80 @@
+"""Model runtime and KV state: cropping and batching never change what the model computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.kv import KVSession, common_prefix_len, fingerprint
+from specdec.runtime import ModelRuntime, RuntimeSettings
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["target", "gpt2"])
+def runtime(request, model_dirs) -> ModelRuntime:
+    return ModelRuntime(RuntimeSettings(model_dirs[request.param], device="cpu", threads=1))
+
+
+def fresh_logits(runtime: ModelRuntime, history: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return runtime.model(input_ids=torch.tensor([history])).logits[0].float()
+
+
+def test_loads_from_disk_with_tokenizer(runtime):
+    assert runtime.vocab_size == len(runtime.tokenizer)
+    text = "def add(a, b):\n    return a + b  # héllo 🙂"
+    assert runtime.tokenizer.decode(runtime.tokenizer.encode(text)) == text
+    assert len(runtime.vocab_fingerprint) == 32 and runtime.eos_token_ids
+
+
+def test_prefill_append_crop_append_equals_fresh_forward(runtime):
+    prompt = runtime.tokenizer.encode("for i in range(10):\n    print(")
+    session = KVSession("s")
+    session.sync(prompt)
+    runtime.forward([session], [session.pending()])
+    runtime.forward([session], [[5, 6, 7, 8]])  # candidates
+    assert session.kv_len == len(prompt) + 4
+    session.crop(len(prompt) + 1)  # keep one accepted candidate
+    logits = runtime.forward([session], [[9, 10]])[0]  # a different continuation
+    history = prompt + [5, 9, 10]
+    assert session.tokens == history and session.kv_len == len(history)
+    assert torch.allclose(logits, fresh_logits(runtime, history)[-2:], atol=ATOL)
+
+
+def test_sync_keeps_only_the_common_prefix(runtime):
+    session = KVSession("s")
+    session.sync([1, 2, 3, 4, 5])
+    runtime.forward([session], [session.pending()])
+    assert session.sync([1, 2, 9, 4]) == 2  # KV of the diverging suffix is dropped
+    assert session.pending() == [9, 4]
+    logits = runtime.forward([session], [session.pending() + [7]])[0]
+    assert torch.allclose(logits, fresh_logits(runtime, [1, 2, 9, 4, 7])[-3:], atol=ATOL)
+
+
+def test_batched_forward_equals_one_at_a_time(runtime):
+    gen = torch.Generator().manual_seed(0)
+    histories = [
+        torch.randint(1, runtime.vocab_size, (n,), generator=gen).tolist() for n in (3, 17, 8, 30)
+    ]
+    extra = [
+        torch.randint(1, runtime.vocab_size, (n,), generator=gen).tolist() for n in (5, 1, 3, 2)
+    ]
+    sessions = []
+    for i, history in enumerate(histories):
+        session = KVSession(str(i))
+        session.sync(history[:-1])
+        runtime.forward([session], [session.pending()])  # cached: all but the last token
+        session.sync(history)
+        sessions.append(session)
+    batched = runtime.forward(sessions, [s.pending() + e for s, e in zip(sessions, extra)])
+    for history, more, logits in zip(histories, extra, batched):
+        expected = fresh_logits(runtime, history + more)[len(history) - 1 :]
+        assert torch.allclose(logits, expected, atol=ATOL)
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_fingerprint_and_prefix():
+    assert fingerprint([1, 2, 3]) == fingerprint([1, 2, 3])
+    assert fingerprint([1, 2, 3]) != fingerprint([1, 2, 4]) != fingerprint([1, 2])
+    assert common_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
