@@ -56,7 +56,8 @@ class KVSession:
         """
         keep = common_prefix_len(self.tokens, history)
         self.tokens = list(history)
-        self.kv_len = min(self.kv_len, keep)
+        # the last history token is always fed again: its logits predict the next position
+        self.kv_len = max(0, min(self.kv_len, keep, len(history) - 1))
         return self.kv_len
 
     def crop(self, length: int) -> None:

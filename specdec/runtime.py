@@ -90,8 +90,8 @@ class ModelRuntime:
     def forward(self, sessions: list[KVSession], inputs: list[list[int]]) -> list[torch.Tensor]:
         """Feed `inputs[i]` after session i's computed KV; returns logits [n_i, vocab] each.
 
-        Each input continues at the session's kv_len: it must be session.pending() followed by
-        any extra (candidate) tokens. History and KV of every session grow by its input.
+        Each input continues at the session's kv_len: a prefix of session.pending() (a prefill
+        chunk), or all of it followed by extra (candidate) tokens that join the history.
         """
         for session, tokens in zip(sessions, inputs):
             if not tokens:
@@ -128,7 +128,8 @@ class ModelRuntime:
                 [layer.keys[i, :, new] for layer in layers],
                 [layer.values[i, :, new] for layer in layers],
             )
-            session.tokens[session.kv_len - lengths[i] :] = inputs[i]
+            start = session.kv_len - lengths[i]
+            session.tokens[start : start + lengths[i]] = inputs[i]
             results.append(logits[i, : lengths[i]].cpu())
         return results
 

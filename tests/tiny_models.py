@@ -69,6 +69,8 @@ def llama(vocab: int, layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
         max_position_embeddings=512,
         initializer_range=0.2,  # spread-out logits: few near-ties in greedy tests
         tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return LlamaForCausalLM(config).eval()
 

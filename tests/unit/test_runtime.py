@@ -47,6 +47,8 @@ def test_sync_keeps_only_the_common_prefix(runtime):
     session.sync([1, 2, 3, 4, 5])
     runtime.forward([session], [session.pending()])
     assert session.sync([1, 2, 9, 4]) == 2  # KV of the diverging suffix is dropped
+    assert session.sync([1, 2]) == 1  # the last token is always fed again
+    session.sync([1, 2, 9, 4])
     assert session.pending() == [9, 4]
     logits = runtime.forward([session], [session.pending() + [7]])[0]
     assert torch.allclose(logits, fresh_logits(runtime, [1, 2, 9, 4, 7])[-3:], atol=ATOL)

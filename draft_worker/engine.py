@@ -1,0 +1,116 @@
+"""Draft proposers. One module concept: propose γ candidates for many sessions at once.
+
+- ModelProposer: a small causal LM; each draft step is ONE batched forward across sessions
+  of different lengths; candidates are sampled from q̃ (or argmax when token-only).
+- NgramProposer: prompt lookup — no model; the continuation of the most recent earlier
+  occurrence of the history's last n tokens (token-only, so q̃ is one-hot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.kv import KVSession
+from specdec.proposal import encode_sparse, propose_step
+from specdec.rng import seed_tensor
+from specdec.runtime import ModelRuntime, load_tokenizer, vocab_fingerprint
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class ProposeItem:
+    session: KVSession
+    base_len: int
+    gamma: int
+    params: SamplingParams
+    seed: int
+    token_only: bool
+
+
+@dataclass
+class ProposeOutcome:
+    candidates: list[int]
+    dist_ids: list[list[int]]  # empty when token-only
+    dist_weights: list[list[int]]
+    token_only: bool
+    computed_tokens: int
+
+
+class ModelProposer:
+    kind = "model"
+
+    def __init__(self, runtime: ModelRuntime, wire_top_k: int):
+        self.runtime = runtime
+        self.wire_top_k = wire_top_k
+        self.vocab_size = runtime.vocab_size
+        self.max_context = runtime.max_context
+        self.vocab_fingerprint = runtime.vocab_fingerprint
+        self.eos_token_ids = runtime.eos_token_ids
+        self.model_name = runtime.model_name
+        self.device = str(runtime.device)
+
+    def process(self, items: list[ProposeItem]) -> list[ProposeOutcome]:
+        outcomes = [
+            ProposeOutcome([], [], [], item.token_only, len(item.session.pending()))
+            for item in items
+        ]
+        inputs = [item.session.pending() for item in items]
+        for step in range(max(item.gamma for item in items)):
+            active = [i for i, item in enumerate(items) if step < item.gamma]
+            logits = self.runtime.forward(
+                [items[i].session for i in active], [inputs[i] for i in active]
+            )
+            last = torch.stack([rows[-1] for rows in logits])  # [A, vocab]
+            proposal = propose_step(
+                last,
+                [items[i].params for i in active],
+                seed_tensor([items[i].seed for i in active]),
+                torch.tensor([items[i].base_len + step for i in active]),
+                self.wire_top_k,
+                [items[i].token_only for i in active],
+            )
+            for row, i in enumerate(active):
+                token = int(proposal.tokens[row])
+                outcomes[i].candidates.append(token)
+                if not items[i].token_only:
+                    ids, weights = encode_sparse(proposal.dist_ids[row], proposal.dist_weights[row])
+                    outcomes[i].dist_ids.append(ids)
+                    outcomes[i].dist_weights.append(weights)
+                inputs[i] = [token]
+        return outcomes
+
+
+class NgramProposer:
+    """Prompt-lookup drafting: needs only the tokenizer (for the vocabulary check)."""
+
+    kind = "ngram"
+
+    def __init__(
+        self, model_dir: str, max_ngram: int = 4, min_ngram: int = 1, max_context: int = 1 << 20
+    ):
+        tokenizer = load_tokenizer(model_dir)
+        self.vocab_size = len(tokenizer)
+        self.max_context = max_context
+        self.vocab_fingerprint = vocab_fingerprint(tokenizer)
+        self.eos_token_ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+        self.model_name = "ngram"
+        self.device = "cpu"
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def lookup(self, history: list[int], gamma: int) -> list[int]:
+        """Continuation of the most recent earlier match of the longest suffix n-gram."""
+        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
+            suffix = history[-n:]
+            for start in range(len(history) - n - 1, -1, -1):
+                if history[start : start + n] == suffix:
+                    return history[start + n : start + n + gamma]
+        return []
+
+    def process(self, items: list[ProposeItem]) -> list[ProposeOutcome]:
+        return [
+            ProposeOutcome(self.lookup(item.session.tokens, item.gamma), [], [], True, 0)
+            for item in items
+        ]

@@ -1,0 +1,71 @@
+"""Worker registry in Redis: workers announce themselves with a heartbeat TTL; the
+coordinator lists them. Key: specdec:worker:<role>:<address> → JSON WorkerInfo fields."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+log = logging.getLogger(__name__)
+
+PREFIX = "specdec:worker:"
+
+
+def worker_key(role: str, address: str) -> str:
+    return f"{PREFIX}{role}:{address}"
+
+
+class Registration:
+    """Keeps one worker's registry entry alive until stopped, then deletes it."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        role: str,
+        address: str,
+        describe: Callable[[], dict],
+        heartbeat_s: float,
+    ):
+        self.redis = aioredis.from_url(redis_url)
+        self.key = worker_key(role, address)
+        self.describe = describe
+        self.heartbeat_s = heartbeat_s
+        self._task: asyncio.Task | None = None
+
+    async def beat(self) -> None:
+        ttl_ms = int(self.heartbeat_s * 3000)
+        await self.redis.set(self.key, json.dumps(self.describe()), px=ttl_ms)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except Exception as exc:  # noqa: BLE001 - Redis down: keep serving, retry
+                log.warning("registry heartbeat failed: %s", exc)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def start(self) -> None:
+        await self.beat()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        try:
+            await self.redis.delete(self.key)
+        finally:
+            await self.redis.aclose()
+
+
+async def list_workers(redis: aioredis.Redis, role: str) -> list[dict]:
+    """Registered workers of one role (entries whose heartbeat has not expired)."""
+    workers = []
+    async for key in redis.scan_iter(match=f"{PREFIX}{role}:*", count=200):
+        raw = await redis.get(key)
+        if raw:
+            workers.append(json.loads(raw))
+    return workers

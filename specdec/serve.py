@@ -1,0 +1,64 @@
+"""Process lifecycle shared by the workers: load, warm up, serve, register, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from specdec.grpc_util import Server, install_signal_handlers
+from specdec.registry import Registration
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def serve_worker(
+    settings, role: str, service, add_to_server, service_name: str, warmup
+) -> None:
+    """Serve one worker until SIGTERM/SIGINT, then drain within settings.grace_s.
+
+    Health is NOT_SERVING until `warmup()` has run a real forward pass.
+    """
+    server = Server([service_name])
+    add_to_server(service, server.server)
+    port = server.bind(settings.host, settings.port)
+    address = settings.advertise_addr or f"{settings.host}:{port}"
+    service.address = address
+    await server.start()
+    service.batcher.start()
+    started = time.perf_counter()
+    await warmup()
+    log.info("%s worker warm in %.2fs, serving on %s", role, time.perf_counter() - started, address)
+    await server.set_serving(True)
+    print(f"READY {role} {address}", flush=True)
+    registration = None
+    if settings.redis_url:
+        registration = Registration(
+            settings.redis_url,
+            role,
+            address,
+            lambda: {**_info_dict(service.info()), "load": service.load()},
+            settings.heartbeat_s,
+        )
+        await registration.start()
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    await stop.wait()
+    log.info("%s worker draining (grace %.1fs)", role, settings.grace_s)
+    if registration:
+        await registration.stop()
+    await server.drain_and_stop(settings.grace_s)
+    await service.batcher.stop()
+
+
+def _info_dict(info) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(info, preserving_proto_field_name=True)

@@ -1,0 +1,126 @@
+"""TargetWorker gRPC service: thin adapters around the session table and TargetEngine."""
+
+from __future__ import annotations
+
+import time
+
+from specdec.errors import InvalidArgument
+from specdec.grpc_util import rpc
+from specdec.proposal import validate_sparse
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.worker import Batcher, SessionTable, check_tokens, sampling_from_proto
+from target_worker.engine import PrefillItem, TargetEngine, VerifyItem
+
+
+class TargetService(target_pb2_grpc.TargetWorkerServicer):
+    def __init__(self, engine: TargetEngine, settings, address: str):
+        self.engine = engine
+        self.settings = settings
+        self.address = address
+        runtime = engine.runtime
+        self.table = SessionTable(
+            settings.max_sessions, settings.max_kv_mb << 20, runtime.vocab_size, runtime.max_context
+        )
+        self.batcher = Batcher(
+            engine.process, settings.max_batch_size, settings.max_batch_tokens, settings.max_wait_ms
+        )
+
+    def info(self) -> common_pb2.WorkerInfo:
+        runtime = self.engine.runtime
+        return common_pb2.WorkerInfo(
+            role="target",
+            model_name=runtime.model_name,
+            vocab_size=runtime.vocab_size,
+            vocab_fingerprint=runtime.vocab_fingerprint,
+            max_context=runtime.max_context,
+            max_sessions=self.settings.max_sessions,
+            max_speculative_tokens=self.settings.max_speculative_tokens,
+            device=str(runtime.device),
+            threads=self.settings.threads,
+            active_sessions=len(self.table),
+            address=self.address,
+            eos_token_ids=runtime.eos_token_ids,
+        )
+
+    def load(self) -> float:
+        """In-flight calls per batch slot, for least-load placement."""
+        return self.batcher.in_flight / max(1, self.settings.max_batch_size)
+
+    @rpc
+    async def Verify(self, request, context):
+        start = time.perf_counter_ns()
+        runtime = self.engine.runtime
+        candidates = check_tokens(request.candidate_ids, runtime.vocab_size, "candidate_ids")
+        if len(candidates) > self.settings.max_speculative_tokens:
+            raise InvalidArgument(
+                f"candidate_ids: {len(candidates)} candidates exceed the limit of {self.settings.max_speculative_tokens}"
+            )
+        dists = list(request.draft_dists)
+        if dists and len(dists) != len(candidates):
+            raise InvalidArgument(
+                f"draft_dists: expected {len(candidates)} (one per candidate) or none, got {len(dists)}"
+            )
+        for i, dist in enumerate(dists):
+            validate_sparse(
+                list(dist.token_ids), list(dist.weights), runtime.vocab_size, f"draft_dists[{i}]"
+            )
+            weight = dict(zip(dist.token_ids, dist.weights)).get(candidates[i], 0)
+            if weight <= 0:
+                raise InvalidArgument(f"draft_dists[{i}] gives candidate_ids[{i}] zero probability")
+        params = sampling_from_proto(request.sampling)
+        if request.max_output_tokens:
+            candidates = candidates[: request.max_output_tokens - 1]
+            dists = dists[: len(candidates)]
+        if request.base.base_len + len(candidates) > runtime.max_context:
+            raise InvalidArgument(
+                f"base.base_len + candidates exceeds the model context {runtime.max_context}"
+            )
+        async with self.table.hold(request.base.session_id):
+            session = self.table.resolve(request.base, request.delta)
+            item = VerifyItem(
+                session=session,
+                base_len=request.base.base_len,
+                candidates=candidates,
+                dist_ids=[list(d.token_ids) for d in dists] if dists else None,
+                dist_weights=[list(d.weights) for d in dists] if dists else None,
+                params=params,
+                seed=request.seed,
+                return_logprobs=request.return_logprobs,
+            )
+            tokens = len(session.pending()) + len(candidates)
+            outcome, queue_ns, forward_ns, batch_size = await self.batcher.submit(item, tokens)
+        self.table.enforce_memory()
+        return target_pb2.VerifyResponse(
+            num_accepted=outcome.num_accepted,
+            output_ids=outcome.output_ids,
+            output_logprobs=outcome.logprobs,
+            queue_ns=queue_ns,
+            forward_ns=forward_ns,
+            total_ns=time.perf_counter_ns() - start,
+            batch_size=batch_size,
+            computed_tokens=outcome.computed_tokens,
+        )
+
+    @rpc
+    async def Prefill(self, request, context):
+        start = time.perf_counter_ns()
+        async with self.table.hold(request.base.session_id):
+            session = self.table.resolve(request.base, request.delta)
+            chunk = self.settings.prefill_chunk
+            while len(session.pending()) > 1:
+                piece = session.pending()[:-1][:chunk]  # the last token is fed by Verify
+                await self.batcher.submit(PrefillItem(session, piece), len(piece))
+        self.table.enforce_memory()
+        return target_pb2.PrefillResponse(
+            kv_len=session.kv_len, forward_ns=time.perf_counter_ns() - start
+        )
+
+    @rpc
+    async def Release(self, request, context):
+        async with self.table.hold(request.session_id):
+            released = self.table.release(request.session_id)
+        return common_pb2.ReleaseResponse(released_tokens=released)
+
+    @rpc
+    async def Info(self, request, context):
+        return self.info()

@@ -1,0 +1,106 @@
+"""In-process gRPC workers on 127.0.0.1:0, served from an event loop in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from draft_worker.__main__ import DraftSettings
+from draft_worker.__main__ import build as build_draft
+from specdec.grpc_util import Server
+from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
+from target_worker.__main__ import TargetSettings
+from target_worker.__main__ import build as build_target
+
+
+class LoopThread:
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class Worker:
+    """A started worker: its service object, address and a sync channel."""
+
+    def __init__(self, loop: LoopThread, service, add_fn, name: str):
+        self.loop, self.service = loop, service
+
+        async def start():  # the aio server must be created on the loop that serves it
+            self.server = Server([name])
+            add_fn(service, self.server.server)
+            self.address = f"127.0.0.1:{self.server.bind('127.0.0.1', 0)}"
+            service.address = self.address
+            await self.server.start()
+            service.batcher.start()
+            await self.server.set_serving(True)
+
+        loop.run(start())
+        self.channel = grpc.insecure_channel(self.address)
+
+    def stop(self):
+        self.channel.close()
+
+        async def stop():
+            await self.server.server.stop(0)
+            await self.service.batcher.stop()
+
+        self.loop.run(stop())
+
+
+@pytest.fixture(scope="module")
+def loop_thread():
+    loop = LoopThread()
+    yield loop
+    loop.close()
+
+
+def start_target(loop_thread, model_dir: str, **overrides) -> Worker:
+    settings = replace(
+        TargetSettings(model=model_dir, device="cpu", threads=1, port=0), **overrides
+    )
+    worker = Worker(
+        loop_thread,
+        build_target(settings),
+        target_pb2_grpc.add_TargetWorkerServicer_to_server,
+        "specdec.v1.TargetWorker",
+    )
+    worker.stub = target_pb2_grpc.TargetWorkerStub(worker.channel)
+    return worker
+
+
+def start_draft(loop_thread, model_dir: str, **overrides) -> Worker:
+    settings = replace(DraftSettings(model=model_dir, device="cpu", threads=1, port=0), **overrides)
+    worker = Worker(
+        loop_thread,
+        build_draft(settings),
+        draft_pb2_grpc.add_DraftWorkerServicer_to_server,
+        "specdec.v1.DraftWorker",
+    )
+    worker.stub = draft_pb2_grpc.DraftWorkerStub(worker.channel)
+    return worker
+
+
+@pytest.fixture(scope="module")
+def target(loop_thread, model_dirs):
+    worker = start_target(loop_thread, model_dirs["target"], max_wait_ms=20.0)
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def draft(loop_thread, model_dirs):
+    worker = start_draft(loop_thread, model_dirs["draft"], max_wait_ms=20.0)
+    yield worker
+    worker.stop()
