@@ -188,7 +188,7 @@ class AdaptiveGamma:
             d = self.alpha_decay
             self._accepted = d * self._accepted + accepted
             self._rejections = d * self._rejections + float(rejected)
-            self._draft.add(gamma, draft_s * 2)
+            self._draft.add(gamma, draft_s)
         self._verify.add(gamma + 1, verify_s)
         self._overhead[gamma > 0].add(max(round_s - draft_s - verify_s, 0.0))
         self._probe_again = self._probing_from_zero and gamma > 0 and not rejected

@@ -1,0 +1,174 @@
+"""The adaptive γ policy against simulated rounds with known costs."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.perf_model import expected_tokens
+from specdec.policy import AdaptiveGamma
+
+
+class Sim:
+    """A session with per-token acceptance α and affine draft/verify costs (seconds)."""
+
+    def __init__(self, alpha, draft_per_token, verify_base, verify_per_token, overhead, seed=0):
+        self.alpha = alpha
+        self.draft_per_token = draft_per_token
+        self.verify_base = verify_base
+        self.verify_per_token = verify_per_token
+        self.overhead = overhead
+        self.rng = random.Random(seed)
+
+    def round(self, policy: AdaptiveGamma, gamma: int) -> None:
+        accepted = 0
+        while accepted < gamma and self.rng.random() < self.alpha:
+            accepted += 1
+        draft = gamma * self.draft_per_token
+        verify = self.verify_base + self.verify_per_token * (gamma + 1)
+        policy.observe(
+            gamma, accepted, accepted < gamma, draft, verify, draft + verify + self.overhead
+        )
+
+    def run(self, policy: AdaptiveGamma, rounds: int) -> list[int]:
+        chosen = []
+        for _ in range(rounds):
+            gamma = policy.choose()
+            assert 0 <= gamma <= policy.max_gamma
+            self.round(policy, gamma)
+            chosen.append(gamma)
+        return chosen
+
+
+def test_fresh_policy_starts_with_a_moderate_gamma():
+    policy = AdaptiveGamma(max_gamma=8)
+    assert policy.alpha == 0.6
+    assert 2 <= policy.best_gamma() <= 4
+    assert AdaptiveGamma(max_gamma=0).choose() == 0
+
+
+def test_picks_zero_for_low_alpha_and_expensive_draft():
+    policy = AdaptiveGamma(max_gamma=8)
+    Sim(0.05, draft_per_token=0.006, verify_base=0.01, verify_per_token=0.0, overhead=0.001).run(
+        policy, 200
+    )
+    assert policy.alpha < 0.1
+    assert policy.best_gamma() == 0
+
+
+def test_picks_large_gamma_for_high_alpha_cheap_draft_flat_verify():
+    policy = AdaptiveGamma(max_gamma=8)
+    chosen = Sim(0.95, 0.0002, 0.02, 0.0, 0.001).run(policy, 200)
+    assert policy.alpha > 0.85
+    assert policy.best_gamma() >= 7
+    assert sum(g >= 7 for g in chosen[-50:]) >= 40
+
+
+def test_backs_off_when_verify_grows_steeply_with_gamma():
+    flat = AdaptiveGamma(max_gamma=8)
+    Sim(0.8, 0.001, 0.02, 0.0, 0.002, seed=1).run(flat, 200)
+    loaded = AdaptiveGamma(max_gamma=8)
+    chosen = Sim(0.8, 0.001, 0.01, 0.01, 0.002, seed=1).run(loaded, 200)
+    assert flat.best_gamma() >= 6
+    assert loaded.best_gamma() <= 3
+    assert loaded.verify_s(4) - loaded.verify_s(3) == pytest.approx(0.01)  # slope was learned
+    assert sum(chosen[-50:]) / 50 <= 3.5
+
+
+def test_backs_off_when_load_arrives_mid_session():
+    policy = AdaptiveGamma(max_gamma=8)
+    Sim(0.8, 0.001, 0.02, 0.0, 0.002).run(policy, 100)
+    before = policy.best_gamma()
+    Sim(0.8, 0.001, 0.01, 0.01, 0.002).run(policy, 100)
+    assert before >= 6 and policy.best_gamma() <= 3
+
+
+def test_recovers_from_zero_via_exploration():
+    policy = AdaptiveGamma(max_gamma=8)
+    bad = Sim(0.02, 0.003, 0.01, 0.0, 0.001)
+    assert bad.run(policy, 300)[-20:].count(0) >= 18
+    good = Sim(0.95, 0.003, 0.01, 0.0, 0.001, seed=2)
+    chosen = good.run(policy, 150)
+    assert min(chosen[-30:]) >= 1
+    assert policy.best_gamma() >= 3
+    assert policy.alpha > 0.8
+
+
+def test_exploration_is_deterministic_and_periodic_at_zero():
+    policy = AdaptiveGamma(max_gamma=8, explore_every=10)
+    Sim(0.0, 0.01, 0.01, 0.0, 0.001).run(policy, 200)
+    # each probe is rejected at once, so from 0 the policy probes exactly every 10th round
+    chosen = [policy.choose() for _ in range(30)]
+    assert sorted(set(chosen)) == [0, 2]
+    probes = [i for i, g in enumerate(chosen) if g]
+    assert len(probes) == 3 and probes[1] - probes[0] == 10 and probes[2] - probes[1] == 10
+    no_explore = AdaptiveGamma(max_gamma=8, explore_every=0)
+    Sim(0.0, 0.01, 0.01, 0.0, 0.001).run(no_explore, 100)
+    assert set(no_explore.choose() for _ in range(50)) == {0}
+
+
+def test_gamma_zero_rounds_do_not_move_alpha():
+    policy = AdaptiveGamma(max_gamma=4)
+    before = policy.alpha
+    for _ in range(10):
+        policy.observe(0, 0, False, 0.0, 0.01, 0.011)
+    assert policy.alpha == before
+    policy.observe(4, 1, True, 0.004, 0.01, 0.015)
+    assert policy.alpha == pytest.approx((1 + 0.6 * 2) / (2 + 2))
+
+
+@pytest.mark.parametrize(
+    ("gamma", "accepted", "rejected"), [(3, 4, False), (3, 3, True), (3, 1, False), (0, 0, True)]
+)
+def test_observe_rejects_inconsistent_rounds(gamma, accepted, rejected):
+    with pytest.raises(ValueError, match="inconsistent"):
+        AdaptiveGamma(max_gamma=4).observe(gamma, accepted, rejected, 0.0, 0.01, 0.01)
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(
+    max_gamma=st.integers(0, 10),
+    alpha=st.floats(0.0, 1.0),
+    draft_fixed=st.floats(0.0, 0.01),
+    draft_per_token=st.floats(0.0, 0.02),
+    verify_base=st.floats(0.001, 0.05),
+    verify_per_token=st.floats(0.0, 0.02),
+    overhead=st.floats(0.0, 0.01),
+    seed=st.integers(0, 2**16),
+)
+def test_choice_is_the_argmax_of_the_model(
+    max_gamma, alpha, draft_fixed, draft_per_token, verify_base, verify_per_token, overhead, seed
+):
+    """Noise-free affine timings at several γ: the fits are exact and best_gamma is the argmax."""
+    policy = AdaptiveGamma(max_gamma=max_gamma, explore_every=0)
+    rng = random.Random(seed)
+    for i in range(30):
+        gamma = i % (max_gamma + 1)
+        accepted = 0
+        while accepted < gamma and rng.random() < alpha:
+            accepted += 1
+        draft = draft_fixed + draft_per_token * gamma if gamma else 0.0
+        verify = verify_base + verify_per_token * (gamma + 1)
+        policy.observe(gamma, accepted, accepted < gamma, draft, verify, draft + verify + overhead)
+
+    def rate(g: int) -> float:
+        draft = draft_fixed + draft_per_token * g if g else 0.0
+        verify = verify_base + verify_per_token * (g + 1)
+        return expected_tokens(policy.alpha, g) / (draft + verify + overhead)
+
+    rates = [rate(g) for g in range(max_gamma + 1)]
+    for g in range(max_gamma + 1):
+        assert policy.expected_rate(g) == pytest.approx(rates[g], rel=1e-6)
+    choice = policy.choose()
+    assert choice == policy.best_gamma()
+    assert 0 <= choice <= max_gamma
+    assert rates[choice] >= max(rates) * (1 - 1e-6)
+
+
+def test_probe_that_accepts_everything_is_repeated():
+    policy = AdaptiveGamma(max_gamma=8, explore_every=10)
+    Sim(0.0, 0.003, 0.01, 0.0, 0.001).run(policy, 200)
+    chosen = Sim(1.0, 0.003, 0.01, 0.0, 0.001).run(policy, 30)
+    first = next(i for i, g in enumerate(chosen) if g)
+    assert chosen[first : first + 3] == [2, 2, 2]  # best_gamma alone would still say 0
