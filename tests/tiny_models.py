@@ -84,7 +84,7 @@ def build_model_dirs(root: str) -> dict[str, str]:
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
         for param in draft.parameters():
-            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+            param.add_(0.01 * torch.randn(param.shape, generator=generator))
     torch.manual_seed(2)
     gpt2 = GPT2LMHeadModel(
         GPT2Config(

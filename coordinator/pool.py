@@ -1,0 +1,127 @@
+"""Worker pools of the coordinator: static addresses plus the Redis registry, vocabulary
+checks, session affinity and least-load placement."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from specdec.grpc_util import channel
+from specdec.registry import list_workers
+from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    address: str
+    role: str
+    info: common_pb2.WorkerInfo
+    channel: grpc.aio.Channel
+    stub: object
+    registry_load: float = 0.0
+    in_flight: int = 0
+    sessions: set[str] = field(default_factory=set)
+    dead_until: float = 0.0
+
+    @property
+    def load(self) -> float:
+        return self.registry_load + self.in_flight + 0.01 * len(self.sessions)
+
+
+class WorkerPool:
+    """All known workers of one role whose vocabulary matches the coordinator's tokenizer."""
+
+    def __init__(
+        self,
+        role: str,
+        static: list[str],
+        vocab_fingerprint: str,
+        redis=None,
+        timeout_s: float = 5.0,
+    ):
+        self.role = role
+        self.static = [a for a in static if a]
+        self.vocab_fingerprint = vocab_fingerprint
+        self.redis = redis
+        self.timeout_s = timeout_s
+        self.workers: dict[str, Worker] = {}
+        self.refused: dict[str, str] = {}  # address → why it is not used
+        self._lock = asyncio.Lock()
+
+    def _stub(self, ch):
+        return (
+            draft_pb2_grpc.DraftWorkerStub(ch)
+            if self.role == "draft"
+            else target_pb2_grpc.TargetWorkerStub(ch)
+        )
+
+    async def _connect(self, address: str) -> None:
+        ch = channel(address)
+        stub = self._stub(ch)
+        try:
+            info = await stub.Info(common_pb2.InfoRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            await ch.close()
+            log.warning("%s worker %s unreachable: %s", self.role, address, exc.code())
+            return
+        if info.vocab_fingerprint != self.vocab_fingerprint:
+            await ch.close()
+            self.refused[address] = (
+                f"vocabulary fingerprint {info.vocab_fingerprint} differs from the target tokenizer's "
+                f"{self.vocab_fingerprint}"
+            )
+            log.error("refusing %s worker %s: %s", self.role, address, self.refused[address])
+            return
+        self.workers[address] = Worker(address, self.role, info, ch, stub)
+        log.info("%s worker %s joined (%s)", self.role, address, info.model_name)
+
+    async def refresh(self) -> None:
+        """Pick up static and registered workers; forget registered ones that expired."""
+        async with self._lock:
+            registered: dict[str, dict] = {}
+            if self.redis is not None:
+                try:
+                    for entry in await list_workers(self.redis, self.role):
+                        registered[entry["address"]] = entry
+                except Exception as exc:  # noqa: BLE001 - keep the workers we know
+                    log.warning("registry read failed: %s", exc)
+            wanted = set(self.static) | set(registered)
+            for address in wanted:
+                if address not in self.workers and address not in self.refused:
+                    await self._connect(address)
+                if address in registered and address in self.workers:
+                    self.workers[address].registry_load = float(
+                        registered[address].get("load", 0.0)
+                    )
+            if self.redis is not None:
+                for address in list(self.workers):
+                    if address not in wanted:
+                        await self.workers.pop(address).channel.close()
+
+    def alive(self) -> list[Worker]:
+        now = time.monotonic()
+        return [w for w in self.workers.values() if w.dead_until <= now]
+
+    def pick(self, prefer: str = "", exclude: set[str] | None = None) -> Worker | None:
+        """Session affinity first (where its KV is), else the least-loaded live worker."""
+        exclude = exclude or set()
+        candidates = [w for w in self.alive() if w.address not in exclude]
+        for worker in candidates:
+            if worker.address == prefer:
+                return worker
+        return min(candidates, key=lambda w: w.load, default=None)
+
+    def mark_dead(self, address: str, for_s: float = 5.0) -> None:
+        worker = self.workers.get(address)
+        if worker is not None:
+            worker.dead_until = time.monotonic() + for_s
+
+    async def close(self) -> None:
+        for worker in self.workers.values():
+            await worker.channel.close()

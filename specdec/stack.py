@@ -1,0 +1,214 @@
+"""The local stack as real processes: embedded Redis, draft and target workers, a coordinator.
+
+Used by `specdec up`, the end-to-end tests and the benchmarks. Each child is its own process
+group; `stop()` terminates all of them (then kills stragglers), also after a failed start.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specdec.redis_embedded import EmbeddedRedis, free_port
+
+
+class StackError(RuntimeError):
+    """A part of the stack failed to start; the message names it and says why."""
+
+
+@dataclass
+class StackSettings:
+    target_model: str
+    draft_model: str
+    port: int = 50051
+    host: str = "127.0.0.1"
+    redis_url: str = ""
+    draft_workers: int = 1
+    target_workers: int = 1
+    draft_threads: int = 1
+    target_threads: int = 1
+    proposer: str = "model"
+    startup_timeout_s: float = 180.0
+    coordinator_args: list[str] = field(default_factory=list)
+    target_args: list[str] = field(default_factory=list)
+    draft_args: list[str] = field(default_factory=list)
+    log_level: str = "warning"
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], env: dict):
+        self.name = name
+        self.argv = argv
+        self.lines: collections.deque[str] = collections.deque(maxlen=200)
+        self.ready = threading.Event()
+        self.process = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip())
+            if line.startswith("READY"):
+                self.ready.set()
+
+    def tail(self, n: int = 15) -> str:
+        return "\n".join(list(self.lines)[-n:])
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class Stack:
+    def __init__(self, settings: StackSettings):
+        self.settings = settings
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = settings.redis_url
+        self.children: list[Child] = []
+        self.draft_addresses: list[str] = []
+        self.target_addresses: list[str] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.settings.port}"
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> Child:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        child = Child(name, [sys.executable, "-m", module, *args], env)
+        self.children.append(child)
+        return child
+
+    def start(self, progress=print) -> Stack:
+        s = self.settings
+        try:
+            if not self.redis_url:
+                self.redis = EmbeddedRedis().start()
+                self.redis_url = self.redis.url
+                progress(f"redis        {self.redis_url} (embedded redis-server)")
+            common = ["--redis-url", self.redis_url, "--log-level", s.log_level]
+            for i in range(s.target_workers):
+                port = free_port()
+                self.target_addresses.append(f"127.0.0.1:{port}")
+                self._spawn(
+                    f"target-worker-{i}",
+                    "target_worker",
+                    [
+                        "--model",
+                        s.target_model,
+                        "--port",
+                        str(port),
+                        "--threads",
+                        str(s.target_threads),
+                        *common,
+                        *s.target_args,
+                    ],
+                )
+                progress(
+                    f"target[{i}]    127.0.0.1:{port}  model={s.target_model} threads={s.target_threads}"
+                )
+            for i in range(s.draft_workers):
+                port = free_port()
+                self.draft_addresses.append(f"127.0.0.1:{port}")
+                self._spawn(
+                    f"draft-worker-{i}",
+                    "draft_worker",
+                    [
+                        "--model",
+                        s.draft_model,
+                        "--port",
+                        str(port),
+                        "--threads",
+                        str(s.draft_threads),
+                        "--proposer",
+                        s.proposer,
+                        *common,
+                        *s.draft_args,
+                    ],
+                )
+                progress(
+                    f"draft[{i}]     127.0.0.1:{port}  model={s.draft_model} threads={s.draft_threads} proposer={s.proposer}"
+                )
+            self._wait(self.children, s.startup_timeout_s)
+            coordinator = self._spawn(
+                "coordinator",
+                "coordinator",
+                [
+                    "--tokenizer",
+                    s.target_model,
+                    "--host",
+                    s.host,
+                    "--port",
+                    str(s.port),
+                    "--draft-addr",
+                    ",".join(self.draft_addresses),
+                    "--target-addr",
+                    ",".join(self.target_addresses),
+                    *common,
+                    *s.coordinator_args,
+                ],
+            )
+            self._wait([coordinator], s.startup_timeout_s)
+            progress(f"coordinator  {self.address}")
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait(self, children: list[Child], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            while not child.ready.wait(0.1):
+                if not child.alive():
+                    raise StackError(
+                        f"{child.name} exited with code {child.process.returncode} during start-up:\n{child.tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    raise StackError(
+                        f"{child.name} was not healthy within {timeout_s:.0f}s:\n{child.tail()}"
+                    )
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def dead_children(self) -> list[Child]:
+        return [c for c in self.children if not c.alive()]
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every child (coordinator first), wait, then SIGKILL what is left."""
+        for child in reversed(self.children):
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.signal(signal.SIGKILL)
+                child.process.wait(timeout=5)
+        if self.redis:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> Stack:
+        return self.start(progress=lambda _msg: None)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
