@@ -1,0 +1,450 @@
+{{/*
+Shared helpers. Tier-scoped helpers take a dict:
+  root      the top-level context ($)
+  component coordinator | draft-worker | target-worker | redis
+  tier      that tier's values block (.Values.coordinator, ...)
+*/}}
+
+{{/* Chart name, overridable with nameOverride. */}}
+{{- define "specdec.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Release-wide name prefix. Truncated to 45 characters so that "<prefix>-target-worker"
+still fits the 63-character DNS label limit.
+*/}}
+{{- define "specdec.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Name of one tier's resources: "<fullname>-<component>". */}}
+{{- define "specdec.componentName" -}}
+{{- printf "%s-%s" (include "specdec.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* "chart-version" for the helm.sh/chart label. */}}
+{{- define "specdec.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of one tier; never change them after the first install. */}}
+{{- define "specdec.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specdec.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Full label set of one tier's resources. */}}
+{{- define "specdec.labels" -}}
+helm.sh/chart: {{ include "specdec.chart" .root }}
+{{ include "specdec.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: specdec
+{{- end }}
+
+{{/* Service account the specdec pods run as. */}}
+{{- define "specdec.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "specdec.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* "repository:tag" of a tier: the tier's image fields override the chart-wide image. */}}
+{{- define "specdec.image" -}}
+{{- $image := .root.Values.image }}
+{{- $override := .tier.image | default dict }}
+{{- $repository := $override.repository | default $image.repository }}
+{{- $tag := $override.tag | default $image.tag | default .root.Chart.AppVersion }}
+{{- printf "%s:%s" $repository (toString $tag) }}
+{{- end }}
+
+{{/*
+A value as an environment-variable string. Helm hands numbers over as float64, which
+would print 16384 as "16384" but 1048576 as "1.048576e+06"; whole numbers print as integers.
+*/}}
+{{- define "specdec.envValue" -}}
+{{- if or (kindIs "float64" .) (kindIs "float32" .) }}
+{{- if eq (float64 .) (float64 (int64 .)) }}{{ int64 . }}{{ else }}{{ . }}{{ end }}
+{{- else }}
+{{- toString . }}
+{{- end }}
+{{- end }}
+
+{{/* True (non-empty output) when a flag value should be passed: not null and not "". */}}
+{{- define "specdec.isSet" -}}
+{{- if not (or (kindIs "invalid" .) (and (kindIs "string" .) (eq . ""))) }}true{{ end }}
+{{- end }}
+
+{{/*
+One tier's `config` block as EnvVars: camelCase flag name -> SPECDEC_SNAKE_CASE, read by
+the matching --kebab-case flag. Null and "" values are skipped (program default).
+*/}}
+{{- define "specdec.configEnv" -}}
+{{- range $flag, $value := . }}
+{{- if include "specdec.isSet" $value }}
+- name: SPECDEC_{{ $flag | snakecase | upper }}
+  value: {{ include "specdec.envValue" $value | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* SPECDEC_REDIS_URL: in-cluster Redis, an external Secret, or redis.externalUrl. */}}
+{{- define "specdec.redisUrlEnv" -}}
+{{- $redis := .Values.redis }}
+- name: SPECDEC_REDIS_URL
+{{- if $redis.enabled }}
+  value: {{ printf "redis://%s:%d/%d" (include "specdec.componentName" (dict "root" . "component" "redis")) (int $redis.port) (int $redis.database) | quote }}
+{{- else if $redis.externalUrlSecret.name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $redis.externalUrlSecret.name }}
+      key: {{ $redis.externalUrlSecret.key }}
+{{- else }}
+  value: {{ required "redis.externalUrl (or redis.externalUrlSecret.name) is required when redis.enabled is false" $redis.externalUrl | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+EnvVars every specdec service reads: listen address, ports, log level, Redis. HOME points
+at the writable /tmp because the root filesystem is read-only.
+*/}}
+{{- define "specdec.commonEnv" -}}
+- name: HOME
+  value: /tmp
+- name: SPECDEC_HOST
+  value: "0.0.0.0"
+- name: SPECDEC_PORT
+  value: {{ .tier.port | int | quote }}
+- name: SPECDEC_METRICS_PORT
+  value: {{ .tier.metricsPort | int | quote }}
+- name: SPECDEC_LOG_LEVEL
+  value: {{ .tier.logLevel | quote }}
+{{ include "specdec.redisUrlEnv" .root | trim }}
+{{- end }}
+
+{{/*
+Worker registration: POD_IP from the downward API, then SPECDEC_ADVERTISE_ADDR, which
+Kubernetes expands from it ($(POD_IP) must be declared first).
+*/}}
+{{- define "specdec.advertiseEnv" -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: SPECDEC_ADVERTISE_ADDR
+  value: {{ .tier.advertiseAddr | default (printf "$(POD_IP):%d" (int .tier.port)) | quote }}
+{{- end }}
+
+{{/* Container ports: "grpc" and, when metricsPort is not 0, "metrics". */}}
+{{- define "specdec.containerPorts" -}}
+- name: grpc
+  containerPort: {{ .port }}
+  protocol: TCP
+{{- if gt (int .metricsPort) 0 }}
+- name: metrics
+  containerPort: {{ .metricsPort }}
+  protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/*
+startup/readiness/liveness probes against grpc.health.v1 on the tier's gRPC port. The
+services report NOT_SERVING until the model is loaded and warm.
+*/}}
+{{- define "specdec.grpcProbes" -}}
+{{- $port := int .tier.port }}
+{{- range $kind := list "startup" "readiness" "liveness" }}
+{{ $kind }}Probe:
+  grpc:
+    port: {{ $port }}
+  {{- toYaml (index $.tier.probes $kind) | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* resources of a tier plus `gpu.count` GPUs in requests and limits when count > 0. */}}
+{{- define "specdec.resources" -}}
+{{- $resources := deepCopy (.tier.resources | default dict) }}
+{{- $gpu := .tier.gpu | default dict }}
+{{- if gt (int ($gpu.count | default 0)) 0 }}
+{{- range $section := list "requests" "limits" }}
+{{- $entries := get $resources $section | default dict }}
+{{- $_ := set $entries $gpu.resourceName (int $gpu.count) }}
+{{- $_ := set $resources $section $entries }}
+{{- end }}
+{{- end }}
+{{- toYaml $resources }}
+{{- end }}
+
+{{/* Pod annotations: chart-wide, then the tier's, then Prometheus scrape hints. */}}
+{{- define "specdec.podAnnotations" -}}
+{{- $annotations := merge (dict) (.tier.podAnnotations | default dict) (.root.Values.podAnnotations | default dict) }}
+{{- if and .root.Values.metrics.podAnnotations (gt (int .tier.metricsPort) 0) }}
+{{- $_ := set $annotations "prometheus.io/scrape" "true" }}
+{{- $_ := set $annotations "prometheus.io/port" (toString (int .tier.metricsPort)) }}
+{{- $_ := set $annotations "prometheus.io/path" "/metrics" }}
+{{- end }}
+{{- with $annotations }}
+{{- toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Labels of a tier's pods. Unlike specdec.labels they leave out helm.sh/chart, so a chart
+upgrade that changes nothing in the pods does not restart them (and reload every model).
+*/}}
+{{- define "specdec.podLabels" -}}
+{{ include "specdec.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: specdec
+{{- end }}
+
+{{/* Pod metadata (labels and annotations) of a tier's pod template. */}}
+{{- define "specdec.podMetadata" -}}
+labels:
+  {{- include "specdec.podLabels" . | nindent 2 }}
+  {{- with .tier.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with include "specdec.podAnnotations" . }}
+annotations:
+  {{- . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level fields shared by the specdec tiers: accounts, security, scheduling. */}}
+{{- define "specdec.podSpecCommon" -}}
+serviceAccountName: {{ include "specdec.serviceAccountName" .root }}
+automountServiceAccountToken: {{ .root.Values.serviceAccount.automountServiceAccountToken }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+terminationGracePeriodSeconds: {{ .tier.terminationGracePeriodSeconds }}
+{{- with .tier.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .tier.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- include "specdec.scheduling" . }}
+{{- end }}
+
+{{/*
+nodeSelector, tolerations, affinity and topology spread of a tier. A spread constraint
+without a labelSelector selects this tier's own pods.
+*/}}
+{{- define "specdec.scheduling" -}}
+{{- with .tier.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tier.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tier.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if .tier.topologySpreadConstraints }}
+topologySpreadConstraints:
+{{- range $constraint := .tier.topologySpreadConstraints }}
+{{- $constraint = deepCopy $constraint }}
+{{- if not (hasKey $constraint "labelSelector") }}
+{{- $_ := set $constraint "labelSelector" (dict "matchLabels" (include "specdec.selectorLabels" $ | fromYaml)) }}
+{{- end }}
+  - {{ toYaml $constraint | nindent 4 | trim }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Volumes of a specdec pod: the model volume (an empty placeholder when model.volume is {}),
+a writable /tmp, and the tier's extras.
+*/}}
+{{- define "specdec.volumes" -}}
+- name: models
+  {{- with .root.Values.model.volume }}
+  {{- toYaml . | nindent 2 }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+- name: tmp
+  emptyDir: {}
+{{- with .tier.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Mounts matching specdec.volumes; the model volume is read-only. */}}
+{{- define "specdec.volumeMounts" -}}
+- name: models
+  mountPath: {{ .root.Values.model.mountPath }}
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- with .tier.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Deployment strategy of a tier, when set. */}}
+{{- define "specdec.strategy" -}}
+{{- with .tier.strategy }}
+strategy:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Service of a tier: gRPC (h2c) and metrics ports; headless when tier.service.headless. */}}
+{{- define "specdec.service" -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "specdec.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "specdec.labels" . | nindent 4 }}
+  {{- with .tier.service.annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  {{- if .tier.service.headless }}
+  clusterIP: None
+  {{- else }}
+  type: {{ .tier.service.type | default "ClusterIP" }}
+  {{- end }}
+  selector:
+    {{- include "specdec.selectorLabels" . | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ .tier.port }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: kubernetes.io/h2c
+    {{- if gt (int .tier.metricsPort) 0 }}
+    - name: metrics
+      port: {{ .tier.metricsPort }}
+      targetPort: metrics
+      protocol: TCP
+      appProtocol: http
+    {{- end }}
+{{- end }}
+
+{{/* PodDisruptionBudget of a tier: minAvailable when set, else maxUnavailable. */}}
+{{- define "specdec.pdb" -}}
+{{- if .tier.pdb.enabled }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "specdec.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "specdec.labels" . | nindent 4 }}
+spec:
+  {{- if include "specdec.isSet" .tier.pdb.minAvailable }}
+  minAvailable: {{ .tier.pdb.minAvailable }}
+  {{- else }}
+  maxUnavailable: {{ .tier.pdb.maxUnavailable | default 1 }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "specdec.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/* autoscaling/v2 HorizontalPodAutoscaler of a tier's Deployment. */}}
+{{- define "specdec.hpa" -}}
+{{- $autoscaling := .tier.autoscaling }}
+{{- if $autoscaling.enabled }}
+{{- $metrics := list }}
+{{- range $resource := list "cpu" "memory" }}
+{{- $target := index $autoscaling (printf "target%sUtilizationPercentage" (ternary "CPU" "Memory" (eq $resource "cpu"))) }}
+{{- if include "specdec.isSet" $target }}
+{{- $metrics = append $metrics (dict "type" "Resource" "resource" (dict "name" $resource "target" (dict "type" "Utilization" "averageUtilization" (int $target)))) }}
+{{- end }}
+{{- end }}
+{{- $metrics = concat $metrics ($autoscaling.metrics | default list) }}
+{{- if not $metrics }}
+{{- fail (printf "%s.autoscaling needs at least one metric (a utilization target or metrics)" .valuesKey) }}
+{{- end }}
+{{- if gt (int $autoscaling.minReplicas) (int $autoscaling.maxReplicas) }}
+{{- fail (printf "%s.autoscaling.minReplicas must not exceed maxReplicas" .valuesKey) }}
+{{- end }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "specdec.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "specdec.labels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "specdec.componentName" . }}
+  minReplicas: {{ $autoscaling.minReplicas }}
+  maxReplicas: {{ $autoscaling.maxReplicas }}
+  metrics:
+    {{- toYaml $metrics | nindent 4 }}
+  {{- with $autoscaling.behavior }}
+  behavior:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Prometheus Operator ServiceMonitor scraping a tier's "metrics" Service port. */}}
+{{- define "specdec.serviceMonitor" -}}
+{{- $monitor := .root.Values.metrics.serviceMonitor }}
+{{- if and $monitor.enabled (gt (int .tier.metricsPort) 0) }}
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: {{ include "specdec.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "specdec.labels" . | nindent 4 }}
+    {{- with $monitor.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      {{- include "specdec.selectorLabels" . | nindent 6 }}
+  namespaceSelector:
+    matchNames:
+      - {{ .root.Release.Namespace }}
+  endpoints:
+    - port: metrics
+      path: /metrics
+      interval: {{ $monitor.interval }}
+      scrapeTimeout: {{ $monitor.scrapeTimeout }}
+{{- end }}
+{{- end }}
+
+{{/*
+Replicas of a tier's Deployment; omitted while an HPA owns the count, so upgrades do not
+reset it.
+*/}}
+{{- define "specdec.replicas" -}}
+{{- if not .tier.autoscaling.enabled }}
+replicas: {{ .tier.replicas }}
+{{- end }}
+{{- end }}
