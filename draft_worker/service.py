@@ -68,6 +68,9 @@ class DraftService(draft_pb2_grpc.DraftWorkerServicer):
                 session, request.base.base_len, gamma, params, request.seed, token_only
             )
             outcome, queue_ns, forward_ns, _ = await self.batcher.submit(item, gamma)
+            # the session holds all its candidates (the last has no KV yet), so after a round
+            # with n accepted the caller sends the delta from base_len + n whatever n is
+            session.tokens[request.base.base_len :] = outcome.candidates
         self.table.enforce_memory()
         dists = [
             common_pb2.SparseDist(token_ids=ids, weights=weights)

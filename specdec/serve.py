@@ -31,13 +31,14 @@ async def serve_worker(
     port = server.bind(settings.host, settings.port)
     address = settings.advertise_addr or f"{settings.host}:{port}"
     service.address = address
+    stop = asyncio.Event()
+    install_signal_handlers(stop)  # before READY: a SIGTERM from then on always drains
     await server.start()
     service.batcher.start()
     started = time.perf_counter()
     await warmup()
     log.info("%s worker warm in %.2fs, serving on %s", role, time.perf_counter() - started, address)
     await server.set_serving(True)
-    print(f"READY {role} {address}", flush=True)
     registration = None
     if settings.redis_url:
         registration = Registration(
@@ -48,8 +49,7 @@ async def serve_worker(
             settings.heartbeat_s,
         )
         await registration.start()
-    stop = asyncio.Event()
-    install_signal_handlers(stop)
+    print(f"READY {role} {address}", flush=True)  # serving, and registered when asked to
     await stop.wait()
     log.info("%s worker draining (grace %.1fs)", role, settings.grace_s)
     if registration:

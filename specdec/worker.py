@@ -29,7 +29,7 @@ def sampling_from_proto(msg, prefix: str = "sampling") -> SamplingParams:
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
         ignore_eos=bool(msg.ignore_eos),
     )
-    if msg.top_p < 0 or msg.top_p > 1:
+    if not 0.0 <= msg.top_p <= 1.0:  # also refuses NaN, which the line above maps to 1
         raise InvalidArgument(f"{prefix}.top_p must be in [0, 1], got {msg.top_p}")
     try:
         params.validate(prefix)
