@@ -104,3 +104,21 @@ def draft(loop_thread, model_dirs):
     worker = start_draft(loop_thread, model_dirs["draft"], max_wait_ms=20.0)
     yield worker
     worker.stop()
+
+
+@pytest.fixture(scope="module")
+def start_worker(loop_thread):
+    """Start workers with their own settings, stopped at the end of the module:
+    start_worker("target" | "draft", model_dir, **setting_overrides)."""
+    started = []
+
+    def start(role: str, model_dir: str, **overrides) -> Worker:
+        worker = (start_target if role == "target" else start_draft)(
+            loop_thread, model_dir, **overrides
+        )
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in reversed(started):
+        worker.stop()
