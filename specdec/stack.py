@@ -173,6 +173,34 @@ class Stack:
             self.stop()
             raise
 
+    def add_coordinator(self, port: int, name: str = "", extra: list[str] | None = None) -> Child:
+        """Start another coordinator replica on the same Redis and workers (and wait for it)."""
+        s = self.settings
+        child = self._spawn(
+            name or f"coordinator-{port}",
+            "coordinator",
+            [
+                "--tokenizer",
+                s.target_model,
+                "--host",
+                s.host,
+                "--port",
+                str(port),
+                "--redis-url",
+                self.redis_url,
+                "--draft-addr",
+                ",".join(self.draft_addresses),
+                "--target-addr",
+                ",".join(self.target_addresses),
+                "--log-level",
+                s.log_level,
+                *s.coordinator_args,
+                *(extra or []),
+            ],
+        )
+        self._wait([child], s.startup_timeout_s)
+        return child
+
     def _wait(self, children: list[Child], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for child in children:

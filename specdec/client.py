@@ -1,0 +1,222 @@
+"""Python client of the specdec Coordinator.
+
+    from specdec.client import Client
+    client = Client(["127.0.0.1:50051"])
+    for chunk in client.stream("def fib(n):", max_new_tokens=64, temperature=0):
+        print(chunk.text, end="", flush=True)
+    result = client.generate("import os", max_new_tokens=32)
+    print(result.text, result.stats.mean_acceptance_length)
+
+Both clients retry UNAVAILABLE (a coordinator restart or failover) by calling again — on the
+next address of the list — with the same `session_id` and `resume_from` set to the tokens
+already received, so the caller never sees a duplicated or lost token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+SAMPLING_FIELDS = {
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+}
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    num_speculative_tokens: int | None = None,
+    session_id: str = "",
+    **sampling,
+) -> coordinator_pb2.GenerateRequest:
+    unknown = set(sampling) - SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling fields: {sorted(unknown)}")
+    request = coordinator_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+        session_id=session_id or uuid.uuid4().hex,
+    )
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.extend(prompt)
+    if num_speculative_tokens is not None:
+        request.speculation.num_speculative_tokens = num_speculative_tokens
+    return request
+
+
+def merge(chunks) -> coordinator_pb2.GenerateResponse:
+    response = coordinator_pb2.GenerateResponse()
+    for chunk in chunks:
+        _merge_chunk(response, chunk)
+    return response
+
+
+def _merge_chunk(response, chunk) -> None:
+    response.session_id = chunk.session_id
+    response.token_ids.extend(chunk.token_ids)
+    response.text += chunk.text
+    if chunk.finish_reason:
+        response.finish_reason = chunk.finish_reason
+        response.stats.CopyFrom(chunk.stats)
+
+
+class Client:
+    """Blocking client; `addresses` are coordinators tried in turn on UNAVAILABLE."""
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str] = "127.0.0.1:50051",
+        timeout_s: float = 300.0,
+        retries: int = 10,
+        backoff_s: float = 0.5,
+    ):
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._index = 0
+        self._channel = None
+        self._stub = None
+
+    def _connect(self):
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(self.addresses[self._index % len(self.addresses)])
+            self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        return self._stub
+
+    def _rotate(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = self._stub = None
+        self._index += 1
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+
+    def stream(self, prompt, **kwargs) -> Iterator[coordinator_pb2.GenerateChunk]:
+        """Yield chunks as tokens are committed; resumes transparently after UNAVAILABLE."""
+        request = build_request(prompt, **kwargs)
+        received, attempt = 0, 0
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            request.resume_from = received
+            try:
+                for chunk in self._connect().GenerateStream(
+                    request, timeout=max(0.1, deadline - time.monotonic())
+                ):
+                    attempt = 0
+                    received = chunk.offset + len(chunk.token_ids)
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+                return
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or attempt >= self.retries:
+                    raise
+                attempt += 1
+                self._rotate()
+                time.sleep(self.backoff_s * attempt)
+
+    def generate(self, prompt, **kwargs) -> coordinator_pb2.GenerateResponse:
+        """The whole completion (streamed underneath, so it also survives a coordinator restart)."""
+        return merge(self.stream(prompt, **kwargs))
+
+    def get_session(self, session_id: str) -> coordinator_pb2.SessionInfo:
+        return self._connect().GetSession(
+            coordinator_pb2.GetSessionRequest(session_id=session_id), timeout=10
+        )
+
+    def cancel(self, session_id: str) -> coordinator_pb2.CancelSessionResponse:
+        return self._connect().CancelSession(
+            coordinator_pb2.CancelSessionRequest(session_id=session_id), timeout=10
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client with the same retry-with-resume behaviour."""
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str] = "127.0.0.1:50051",
+        timeout_s: float = 300.0,
+        retries: int = 10,
+        backoff_s: float = 0.5,
+    ):
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._index = 0
+        self._channel = None
+        self._stub = None
+
+    def _connect(self):
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(
+                self.addresses[self._index % len(self.addresses)]
+            )
+            self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        return self._stub
+
+    async def _rotate(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self._stub = None
+        self._index += 1
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def stream(self, prompt, **kwargs) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        request = build_request(prompt, **kwargs)
+        received, attempt = 0, 0
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            request.resume_from = received
+            try:
+                call = self._connect().GenerateStream(
+                    request, timeout=max(0.1, deadline - time.monotonic())
+                )
+                async for chunk in call:
+                    attempt = 0
+                    received = chunk.offset + len(chunk.token_ids)
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or attempt >= self.retries:
+                    raise
+                attempt += 1
+                await self._rotate()
+                await asyncio.sleep(self.backoff_s * attempt)
+
+    async def generate(self, prompt, **kwargs) -> coordinator_pb2.GenerateResponse:
+        response = coordinator_pb2.GenerateResponse()
+        async for chunk in self.stream(prompt, **kwargs):
+            _merge_chunk(response, chunk)
+        return response

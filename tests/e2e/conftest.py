@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from specdec.redis_embedded import free_port
+from specdec.stack import Stack, StackSettings
+from specdec.v1 import coordinator_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def stack(model_dirs):
+    """The whole stack as real processes on tiny models: 1 draft, 1 target, 1 coordinator."""
+    settings = StackSettings(
+        model_dirs["target"],
+        model_dirs["draft"],
+        port=free_port(),
+        log_level="warning",
+        coordinator_args=["--lease-s", "1.0"],
+    )
+    with Stack(settings) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def stub(stack):
+    channel = grpc.insecure_channel(stack.address)
+    yield coordinator_pb2_grpc.CoordinatorStub(channel)
+    channel.close()

@@ -1,0 +1,213 @@
+"""The whole system, real processes and Redis: greedy exactness, distribution, seeds, bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+import grpc
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.v1 import common_pb2, coordinator_pb2
+
+PROMPTS = [
+    "def add(a, b):",
+    "class Point:\n    def",
+    "import os\n",
+    "for i in range(10):\n    print(",
+]
+
+
+@pytest.fixture(scope="module")
+def hf(model_dirs):
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+    model.generation_config.eos_token_id = None  # compare with ignore_eos=True runs
+    model.generation_config.pad_token_id = 0
+    return model, AutoTokenizer.from_pretrained(model_dirs["target"])
+
+
+def hf_greedy(hf, prompt: str, n: int) -> list[int]:
+    model, tokenizer = hf
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    out = model.generate(
+        ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids)
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def request(
+    prompt="def add(a, b):", gamma=None, session_id="", **sampling
+) -> coordinator_pb2.GenerateRequest:
+    sampling.setdefault("max_new_tokens", 24)
+    sampling.setdefault("ignore_eos", True)
+    req = coordinator_pb2.GenerateRequest(
+        prompt=prompt, sampling=common_pb2.SamplingParams(**sampling), session_id=session_id
+    )
+    if gamma is not None:
+        req.speculation.num_speculative_tokens = gamma
+    return req
+
+
+@pytest.mark.parametrize("gamma", [None, 0, 1, 3, 6])
+def test_greedy_equals_target_generate(stub, hf, gamma):
+    for prompt in PROMPTS:
+        response = stub.Generate(request(prompt, gamma), timeout=60)
+        assert list(response.token_ids) == hf_greedy(hf, prompt, 24), (prompt, gamma)
+        assert response.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+        assert response.text == hf[1].decode(list(response.token_ids), skip_special_tokens=True)
+        stats = response.stats
+        assert stats.generated_tokens == 24 and stats.prompt_tokens == len(hf[1].encode(prompt))
+        if gamma:
+            assert stats.draft_tokens > 0 and stats.rounds < 24 + 1
+        if gamma == 0:
+            assert stats.draft_tokens == 0 and stats.rounds == 24
+
+
+def test_stream_chunks_are_contiguous_and_match_generate(stub):
+    chunks = list(stub.GenerateStream(request(gamma=3, max_new_tokens=30), timeout=60))
+    offsets = [c.offset for c in chunks]
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert offsets[0] == 0 and len(tokens) == 30
+    assert all(b == a + len(c.token_ids) for a, b, c in zip(offsets, offsets[1:], chunks))
+    assert chunks[-1].finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+    assert list(stub.Generate(request(gamma=3, max_new_tokens=30), timeout=60).token_ids) == tokens
+
+
+def exact_first_two(hf, prompt: str, params: SamplingParams) -> dict[tuple[int, int], float]:
+    model, tokenizer = hf
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        p1 = probs_from_logits(model(torch.tensor([ids])).logits[0, -1], params)
+        joint = {}
+        for a in p1.nonzero().flatten().tolist():
+            p2 = probs_from_logits(model(torch.tensor([ids + [a]])).logits[0, -1], params)
+            for b in p2.nonzero().flatten().tolist():
+                joint[(a, b)] = float(p1[a] * p2[b])
+    return joint
+
+
+def chi_square(samples: list[tuple[int, int]], joint: dict) -> float:
+    if any(s not in joint for s in samples):
+        return 0.0
+    cells = sorted(joint)
+    observed = [sum(1 for s in samples if s == c) for c in cells]
+    expected = [joint[c] * len(samples) for c in cells]
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+@pytest.mark.slow
+def test_distribution_of_first_two_tokens_matches_target(stub, hf):
+    """Temperature 1 with top-k 3: 9 possible (token, token) pairs, exact target probabilities."""
+    prompt, params = "def add(a, b):", SamplingParams(temperature=1.0, top_k=3)
+    samples = []
+    for seed in range(600):
+        response = stub.Generate(
+            request(prompt, gamma=2, temperature=1.0, top_k=3, seed=seed, max_new_tokens=2),
+            timeout=30,
+        )
+        samples.append(tuple(response.token_ids))
+    assert chi_square(samples, exact_first_two(hf, prompt, params)) > 1e-3
+    # negative control: the same samples must be rejected against a different distribution
+    wrong = exact_first_two(hf, prompt, SamplingParams(temperature=0.4, top_k=3))
+    assert chi_square(samples, wrong) < 1e-4
+
+
+def test_seeded_sampling_is_reproducible(stub):
+    first = stub.Generate(
+        request(gamma=3, temperature=0.9, top_p=0.9, seed=1234, max_new_tokens=20), timeout=60
+    )
+    second = stub.Generate(
+        request(gamma=3, temperature=0.9, top_p=0.9, seed=1234, max_new_tokens=20), timeout=60
+    )
+    other = stub.Generate(
+        request(gamma=3, temperature=0.9, top_p=0.9, seed=999, max_new_tokens=20), timeout=60
+    )
+    assert list(first.token_ids) == list(second.token_ids)
+    assert list(first.token_ids) != list(other.token_ids)
+
+
+def test_stop_strings_tokens_and_eos(stub, hf):
+    _, tokenizer = hf
+    full = stub.Generate(request(gamma=2, max_new_tokens=24), timeout=60)
+    text = full.text
+    stop = text[5:8]
+    stopped = stub.Generate(request(gamma=2, max_new_tokens=24, stop=[stop]), timeout=60)
+    assert stopped.finish_reason == coordinator_pb2.FINISH_REASON_STOP
+    assert stopped.text == text[: text.index(stop)] and stop not in stopped.text
+    stop_id = full.token_ids[4]
+    by_id = stub.Generate(request(gamma=2, max_new_tokens=24, stop_token_ids=[stop_id]), timeout=60)
+    assert by_id.finish_reason == coordinator_pb2.FINISH_REASON_STOP
+    assert list(by_id.token_ids) == list(full.token_ids)[: list(full.token_ids).index(stop_id) + 1]
+
+
+def test_session_record_and_cancel(stub):
+    response = stub.Generate(
+        request(gamma=2, max_new_tokens=8, seed=5, session_id="rec-1"), timeout=60
+    )
+    info = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="rec-1"), timeout=10)
+    assert info.status == coordinator_pb2.SESSION_STATUS_FINISHED
+    assert list(info.generated_token_ids) == list(response.token_ids) and info.seed == 5
+    assert info.version == len(info.prompt_token_ids) + 8
+    again = stub.Generate(request(gamma=2, max_new_tokens=8, session_id="rec-1"), timeout=60)
+    assert list(again.token_ids) == list(response.token_ids)  # reattach, no new generation
+    stream = stub.GenerateStream(
+        request(gamma=2, max_new_tokens=2000, session_id="cancel-me"), timeout=60
+    )
+    next(stream)
+    stub.CancelSession(coordinator_pb2.CancelSessionRequest(session_id="cancel-me"), timeout=10)
+    last = list(stream)[-1]
+    assert last.finish_reason == coordinator_pb2.FINISH_REASON_CANCELLED
+
+
+BAD = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt_token_ids=[10**6]), "prompt_token_ids"),
+    (dict(sampling=common_pb2.SamplingParams(temperature=-1)), "sampling.temperature"),
+    (dict(sampling=common_pb2.SamplingParams(top_p=1.5)), "sampling.top_p"),
+    (dict(sampling=common_pb2.SamplingParams(min_p=2)), "sampling.min_p"),
+    (dict(sampling=common_pb2.SamplingParams(temperature=float("nan"))), "sampling.temperature"),
+    (dict(sampling=common_pb2.SamplingParams(max_new_tokens=10**6)), "sampling.max_new_tokens"),
+    (dict(sampling=common_pb2.SamplingParams(stop_token_ids=[10**6])), "sampling.stop_token_ids"),
+    (dict(sampling=common_pb2.SamplingParams(stop=[""])), "sampling.stop"),
+    (
+        dict(speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=999)),
+        "speculation.num_speculative_tokens",
+    ),
+    (dict(session_id="bad id with spaces"), "session_id"),
+]
+
+
+@pytest.mark.parametrize(("fields", "name"), BAD, ids=[n for _, n in BAD])
+def test_bad_input_names_the_field(stub, fields, name):
+    fields = {"prompt": "x", **fields} if "prompt_token_ids" not in fields else fields
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(coordinator_pb2.GenerateRequest(**fields), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert name in info.value.details()
+
+
+def test_unknown_session_is_not_found(stub):
+    for call in (stub.GetSession, stub.CancelSession):
+        req_cls = (
+            coordinator_pb2.GetSessionRequest
+            if call is stub.GetSession
+            else coordinator_pb2.CancelSessionRequest
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            call(req_cls(session_id="nope"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_prompt_length_limit(stub, hf):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(coordinator_pb2.GenerateRequest(prompt_token_ids=[5] * 5000), timeout=10)
+    assert (
+        info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in info.value.details()
+    )
+
+
+_ = itertools
