@@ -260,14 +260,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     chunk.finish_reason = FINISH[reason]
                     chunk.stats.CopyFrom(_stats_msg(stats))
                 yield chunk
-        finally:
-            if not finished and context.cancelled():  # the client went away: stop its session
-                await self._cancel_local(session_id)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:  # the client went away (cancel, deadline, disconnect): stop its session
+                self._cancel_local(session_id)
+            raise
 
-    async def _cancel_local(self, session_id: str) -> None:
+    def _cancel_local(self, session_id: str) -> None:
+        """Stop a session this coordinator runs; its loop commits CANCELLED and releases workers."""
         if session_id in self.runs:
             self.runs[session_id][0].cancel_requested = True
-            await self.store.cancel(session_id)
 
     # --- RPCs -----------------------------------------------------------------------------
 
@@ -331,8 +332,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             raise NotFound(f"session_id {request.session_id!r} is unknown or expired")
         if record.status != "finished":
             await self.store.cancel(request.session_id)
-            if request.session_id in self.runs:
-                self.runs[request.session_id][0].cancel_requested = True
+            self._cancel_local(request.session_id)
         finished = record.status == "finished"
         return coordinator_pb2.CancelSessionResponse(
             status=coordinator_pb2.SESSION_STATUS_FINISHED

@@ -1,0 +1,123 @@
+"""Faults with real processes: a draft worker, a target worker or a coordinator is killed
+mid-generation; the client sees no error and the text equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+
+from specdec.client import Client
+from specdec.redis_embedded import free_port
+from specdec.stack import Stack, StackSettings
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+pytestmark = pytest.mark.slow
+N = 160
+
+
+@pytest.fixture
+def stack2(model_dirs):
+    """Two draft workers, two target workers, two coordinators (short leases)."""
+    settings = StackSettings(
+        model_dirs["target"], model_dirs["draft"], port=free_port(), draft_workers=2, target_workers=2,
+        coordinator_args=["--lease-s", "1.0", "--draft-timeout-s", "2", "--worker-timeout-s", "20"],
+    )
+    with Stack(settings) as running:
+        running.second_port = free_port()
+        running.add_coordinator(running.second_port, name="coordinator-b")
+        yield running
+
+
+def reference(stack, **kwargs) -> list[int]:
+    with Client(stack.address, timeout_s=120) as client:
+        return list(client.generate("def add(a, b):", max_new_tokens=N, ignore_eos=True, **kwargs).token_ids)
+
+
+def stream_and_kill(stack, kill, addresses=None, after_tokens=20, **kwargs):
+    """Stream a session; once `after_tokens` arrived, call kill(); return (tokens, last chunk)."""
+    tokens, last, killed = [], None, False
+    with Client(addresses or [stack.address], timeout_s=180, backoff_s=0.3) as client:
+        for chunk in client.stream("def add(a, b):", max_new_tokens=N, ignore_eos=True, **kwargs):
+            assert chunk.offset == len(tokens), "a token was lost or repeated"
+            tokens += list(chunk.token_ids)
+            last = chunk
+            if not killed and len(tokens) >= after_tokens:
+                kill()
+                killed = True
+    assert killed
+    return tokens, last
+
+
+def worker_serving(stack, name: str) -> str:
+    return next(c for c in stack.children if c.name == name)
+
+
+def test_draft_worker_dies(stack2):
+    expected = reference(stack2, temperature=0.0, num_speculative_tokens=3)
+    victims = []
+
+    def kill():  # kill both: the session must fail over, then continue target-only
+        for name in ("draft-worker-0", "draft-worker-1"):
+            stack2.child(name).signal(signal.SIGKILL)
+            victims.append(name)
+
+    tokens, last = stream_and_kill(stack2, kill, temperature=0.0, num_speculative_tokens=3)
+    assert tokens == expected
+    assert last.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+    assert last.stats.draft_failovers >= 1
+
+
+def test_target_worker_dies(stack2):
+    expected = reference(stack2, temperature=0.8, seed=77, num_speculative_tokens=2)
+    channel = grpc.insecure_channel(stack2.address)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    session = "target-dies"
+
+    def kill():
+        info = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=session), timeout=5)
+        index = stack2.target_addresses.index(info.target_worker)
+        stack2.child(f"target-worker-{index}").signal(signal.SIGKILL)
+
+    tokens, last = stream_and_kill(stack2, kill, temperature=0.8, seed=77, num_speculative_tokens=2, session_id=session)
+    channel.close()
+    assert tokens == expected  # same seed, same γ: the replacement reproduces the run exactly
+    assert last.stats.target_failovers >= 1
+
+
+def test_coordinator_dies_and_another_resumes(stack2):
+    expected = reference(stack2, temperature=0.7, seed=5, num_speculative_tokens=3)
+    first = stack2.child("coordinator")
+    addresses = [stack2.address, f"127.0.0.1:{stack2.second_port}"]
+    started = time.monotonic()
+    tokens, last = stream_and_kill(
+        stack2, lambda: first.signal(signal.SIGKILL), addresses=addresses,
+        temperature=0.7, seed=5, num_speculative_tokens=3, session_id="coordinator-dies",
+    )
+    assert tokens == expected  # no token lost or repeated, same text as an uninterrupted run
+    assert last.stats.takeovers >= 1
+    assert time.monotonic() - started < 120
+
+
+def test_client_disconnect_stops_the_session(stack2):
+    channel = grpc.insecure_channel(stack2.address)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    request = coordinator_pb2.GenerateRequest(
+        prompt="x", session_id="walks-away",
+        sampling=common_pb2.SamplingParams(max_new_tokens=4000, ignore_eos=True),
+    )
+    call = stub.GenerateStream(request, timeout=60)
+    next(call)
+    call.cancel()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        info = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="walks-away"), timeout=5)
+        if info.status == coordinator_pb2.SESSION_STATUS_FINISHED:
+            break
+        time.sleep(0.1)
+    assert info.status == coordinator_pb2.SESSION_STATUS_FINISHED
+    assert info.finish_reason == coordinator_pb2.FINISH_REASON_CANCELLED
+    assert len(info.generated_token_ids) < 4000
+    channel.close()
