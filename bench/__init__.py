@@ -1,0 +1,1 @@
+"""Benchmarks: specdec side by side with the peers users would pick instead."""

@@ -1,0 +1,186 @@
+"""In-process measurements, each run in its own subprocess so its thread count is its own.
+
+    python -m bench.inproc JOB.json RESULT.json
+
+Jobs (JOB["job"]):
+- "costs": per-token latencies at batch 1 with a KV cache, `threads` intra-op threads (1 for
+  the performance model): one target step, one draft step, and one target forward of γ+1
+  tokens (verify) for γ = 1..max_gamma. Gives c = draft/target and v(γ) = verify/target.
+- "hf": the in-process peers a user would pick instead of specdec — Hugging Face `generate`
+  with the target alone, and assisted generation (`assistant_model=draft`, HF's default
+  assistant settings) — one request after another at batch size 1, every token timed with a
+  streamer (time to first token, time per output token, rounds of assisted generation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def load(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def measure_costs(job: dict) -> dict:
+    """Median ms of a target step, a draft step and target verifies of γ+1 tokens."""
+    target, draft = load(job["target_model"]), load(job["draft_model"])
+    context = torch.tensor([job["context"]])  # [1, ctx]
+    max_gamma, reps = job["max_gamma"], job["reps"]
+    cases = [("target_step", target, 1), ("draft_step", draft, 1)]
+    cases += [(f"verify_{g}", target, g + 1) for g in range(1, max_gamma + 1)]
+    caches = {name: model(context, use_cache=True).past_key_values for name, model, _ in cases}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    ctx_len = context.shape[1]
+    for rep in range(reps + job["warmup"]):
+        for name, model, k in cases:  # interleaved, so drift hits every case alike
+            cache = caches[name]
+            cache.crop(ctx_len - k - cache.get_seq_length())  # negative: drop the last k positions
+            start = time.perf_counter()
+            model(context[:, -k:], past_key_values=cache, use_cache=True)
+            if rep >= job["warmup"]:
+                times[name].append(time.perf_counter() - start)
+    ms = {name: 1000.0 * statistics.median(t) for name, t in times.items()}
+    step = ms["target_step"]
+    return {
+        "threads": torch.get_num_threads(),
+        "context_tokens": ctx_len,
+        "reps": reps,
+        "target_step_ms": step,
+        "draft_step_ms": ms["draft_step"],
+        "verify_ms": {g: ms[f"verify_{g}"] for g in range(1, max_gamma + 1)},
+        "c": ms["draft_step"] / step,
+        "v": {g: ms[f"verify_{g}"] / step for g in range(1, max_gamma + 1)},
+    }
+
+
+class TokenClock:
+    """A `generate` streamer that records when each batch of new tokens arrives."""
+
+    def __init__(self) -> None:
+        self.prompt_seen = False
+        self.arrivals: list[tuple[float, int]] = []  # (perf_counter, tokens in this put)
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # generate() first puts the prompt
+            self.prompt_seen = True
+            return
+        self.arrivals.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def generation_kwargs(mode: dict, max_new_tokens: int, pad_id: int) -> dict:
+    from transformers import GenerationConfig
+
+    sampling = mode["temperature"] > 0
+    extra = {"temperature": mode["temperature"], "top_p": mode["top_p"]} if sampling else {}
+    if sampling:
+        extra["top_k"] = 0  # HF's default top_k=50 would change the distribution
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sampling,
+        eos_token_id=None,  # see no_eos(): every contender generates exactly max_new_tokens
+        pad_token_id=pad_id,
+        **extra,
+    )
+    return {"generation_config": config}
+
+
+def no_eos(*models) -> None:
+    """Generate past EOS, like specdec's ignore_eos, so every request yields the same count.
+
+    `generate` fills unset fields from the model's own generation config, so EOS is cleared there.
+    """
+    for model in models:
+        model.generation_config.eos_token_id = None
+
+
+@torch.inference_mode()
+def one_request(model, prompt, kwargs, assistant, seed: int) -> dict:
+    torch.manual_seed(seed)
+    clock = TokenClock()
+    ids = torch.tensor([prompt])
+    start = time.perf_counter()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        streamer=clock,
+        assistant_model=assistant,
+        **kwargs,
+    )
+    end = time.perf_counter()
+    generated = out[0, len(prompt) :].tolist()
+    first = clock.arrivals[0][0] if clock.arrivals else end
+    return {
+        "start": start,
+        "latency_s": end - start,
+        "ttft_s": first - start,
+        "generated_tokens": len(generated),
+        "token_ids": generated,
+        "target_forwards": len(clock.arrivals),  # one streamer put per target forward
+    }
+
+
+def run_peers(job: dict) -> dict:
+    """Each peer, each sampling mode: a warm-up request, then every prompt in turn."""
+    target, draft = load(job["target_model"]), load(job["draft_model"])
+    no_eos(target, draft)
+    pad_id = int(job["pad_token_id"])
+    results: dict = {}
+    for mode in job["modes"]:
+        kwargs = generation_kwargs(mode, job["max_new_tokens"], pad_id)
+        warm = generation_kwargs(mode, min(16, job["max_new_tokens"]), pad_id)
+        results[mode["name"]] = {}
+        for peer, assistant in (("hf_target", None), ("hf_assisted", draft)):
+            one_request(target, job["prompts"][0], warm, assistant, seed=0)
+            records = []
+            run_start = time.perf_counter()
+            for i, prompt in enumerate(job["prompts"]):
+                records.append(one_request(target, prompt, kwargs, assistant, seed=1000 + i))
+            wall = time.perf_counter() - run_start
+            results[mode["name"]][peer] = {"wall_s": wall, "requests": records}
+            tokens = sum(r["generated_tokens"] for r in records)
+            print(
+                f"  {peer:<12} {mode['name']:<8} {tokens / wall:7.1f} tok/s "
+                f"({len(records)} requests, sequential)",
+                file=sys.stderr,
+                flush=True,
+            )
+    return {"threads": torch.get_num_threads(), "peers": results}
+
+
+def main(argv: list[str]) -> None:
+    job_path, result_path = argv
+    with open(job_path) as f:
+        job = json.load(f)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    threads = int(job["threads"])
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+    if job["job"] == "costs":
+        result = measure_costs(job)
+    elif job["job"] == "hf":
+        result = run_peers(job)
+    else:
+        raise SystemExit(f"unknown job {job['job']!r}")
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, result_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

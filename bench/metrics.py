@@ -1,0 +1,158 @@
+"""Per-configuration numbers from per-request records, and the performance-model bound.
+
+Definitions (the same for every contender):
+- aggregate tokens/s = generated tokens of the run / wall time of the run.
+- per-request tokens/s = mean over requests of generated tokens / request latency.
+- time to first token (TTFT) = request sent → first token received by the client.
+- time per output token (TPOT) = (latency − TTFT) / (tokens − tokens in the first arrival),
+  per request; p50 and p95 over requests.
+- acceptance rate = accepted / proposed candidates; mean acceptance length = (accepted +
+  rounds) / rounds (vLLM); acceptance per position i = rounds that accepted candidate i /
+  rounds (vLLM's per-position rate; rounds that proposed fewer than i candidates count as not
+  accepted); α̂ = accepted / (accepted + rounds that ended in a rejection).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from specdec import perf_model
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def tpot_s(record: dict) -> float:
+    after_first = record["generated_tokens"] - max(record.get("first_chunk_tokens", 1), 1)
+    if after_first <= 0:
+        return float("nan")
+    return (record["latency_s"] - record["ttft_s"]) / after_first
+
+
+def timing(records: list[dict], wall_s: float) -> dict:
+    tokens = sum(r["generated_tokens"] for r in records)
+    tpots = [tpot_s(r) for r in records]
+    tpots = [t for t in tpots if t == t]
+    ttfts = [r["ttft_s"] for r in records]
+    return {
+        "requests": len(records),
+        "generated_tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "tokens_per_s_per_request": statistics.fmean(
+            r["generated_tokens"] / r["latency_s"] for r in records
+        ),
+        "decode_tokens_per_s_per_request": 1.0 / statistics.fmean(tpots) if tpots else 0.0,
+        "tpot_ms_p50": 1000.0 * percentile(tpots, 50),
+        "tpot_ms_p95": 1000.0 * percentile(tpots, 95),
+        "ttft_ms_p50": 1000.0 * percentile(ttfts, 50),
+        "ttft_ms_p95": 1000.0 * percentile(ttfts, 95),
+    }
+
+
+def rejection_rounds(stats: dict) -> int:
+    """Rounds that ended in a rejection, recovered from α̂ = a / (a + r) of one request."""
+    accepted, alpha = int(stats.get("accepted_tokens", 0)), float(stats.get("alpha", 0.0))
+    if alpha > 0:
+        return round(accepted * (1.0 - alpha) / alpha)
+    return int(stats.get("rounds", 0)) if int(stats.get("draft_tokens", 0)) else 0
+
+
+def acceptance(records: list[dict]) -> dict:
+    """Acceptance summed over the requests of a run (specdec's per-request GenerationStats)."""
+    stats = [r["stats"] for r in records]
+    rounds = sum(int(s.get("rounds", 0)) for s in stats)
+    proposed = sum(int(s.get("draft_tokens", 0)) for s in stats)
+    accepted = sum(int(s.get("accepted_tokens", 0)) for s in stats)
+    rejected = sum(rejection_rounds(s) for s in stats)
+    width = max((len(s.get("accepted_per_position", [])) for s in stats), default=0)
+    per_position = [0] * width
+    for s in stats:
+        for i, n in enumerate(s.get("accepted_per_position", [])):
+            per_position[i] += int(n)
+    gamma_sum = sum(
+        float(s.get("mean_speculative_tokens", 0.0)) * int(s.get("rounds", 0)) for s in stats
+    )
+    return {
+        "rounds": rounds,
+        "draft_tokens": proposed,
+        "accepted_tokens": accepted,
+        "rejection_rounds": rejected,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_acceptance_length": (accepted + rounds) / rounds if rounds and proposed else None,
+        "accepted_per_position": [n / rounds for n in per_position] if rounds else [],
+        "alpha": accepted / (accepted + rejected) if accepted + rejected else None,
+        "mean_gamma": gamma_sum / rounds if rounds else 0.0,
+    }
+
+
+def interpolate_v(v: dict, gamma: float) -> float:
+    """v(γ) from the measured integer points, v(0) = 1, linear in between and beyond."""
+    points = {0: 1.0, **{int(k): float(x) for k, x in v.items()}}
+    keys = sorted(points)
+    if gamma >= keys[-1]:
+        lo, hi = keys[-2], keys[-1]
+    else:
+        lo = max(k for k in keys if k <= gamma)
+        hi = min(k for k in keys if k > gamma)
+    return points[lo] + (points[hi] - points[lo]) * (gamma - lo) / (hi - lo)
+
+
+def model_bound(alpha: float | None, gamma: float, costs: dict, rho: float = 0.0) -> dict:
+    """Synchronous speedup S = E / (γ·c + v(γ) + ρ) and the tokens/s it allows at batch 1.
+
+    The loop in coordinator/loop.py drafts and verifies one after the other, so the synchronous
+    model applies. ρ = 0 gives the bound (no network, no coordination); a fractional γ (the
+    adaptive policy's mean) is used as is, which is an approximation.
+    """
+    alpha = alpha or 0.0
+    if gamma <= 0:
+        speedup = 1.0 / (1.0 + rho)
+    else:
+        speedup = _expected(alpha, gamma) / (
+            gamma * costs["c"] + interpolate_v(costs["v"], gamma) + rho
+        )
+    return {
+        "speedup": speedup,
+        "tokens_per_s": speedup * 1000.0 / costs["target_step_ms"],
+        "alpha": alpha,
+        "gamma": gamma,
+        "rho": rho,
+    }
+
+
+def _expected(alpha: float, gamma: float) -> float:
+    """E = (1 − α^(γ+1)) / (1 − α), for a fractional γ as well."""
+    if gamma == int(gamma):
+        return perf_model.expected_tokens(alpha, int(gamma))
+    if 1.0 - alpha < 1e-6:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1.0)) / (1.0 - alpha)
+
+
+def sequential_service(records: list[dict], concurrency: int) -> tuple[list[dict], float]:
+    """What C closed-loop clients see from a server that runs one request at a time.
+
+    The HF peers generate at batch size 1, so concurrent requests queue: request j is sent when
+    request j − C finishes and starts when request j − 1 finishes. From the measured service
+    times this gives each request's queueing delay (added to its TTFT and latency) and the wall
+    time (the sum of service times), so aggregate throughput equals sequential throughput.
+    """
+    done, out = [], []
+    clock = 0.0
+    for j, record in enumerate(records):
+        sent = done[j - concurrency] if j >= concurrency else 0.0
+        wait = clock - sent
+        clock += record["latency_s"]
+        done.append(clock)
+        out.append(
+            {**record, "latency_s": record["latency_s"] + wait, "ttft_s": record["ttft_s"] + wait}
+        )
+    return out, clock

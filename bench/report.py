@@ -1,0 +1,225 @@
+"""Speedups, performance-model bounds and goals from a run's rows; JSON, Markdown and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import metrics
+
+ORDER = (
+    "hf_target",
+    "hf_assisted",
+    "specdec_off",
+    "specdec_g2",
+    "specdec_g4",
+    "specdec_g6",
+    "specdec_adaptive",
+)
+FIXED_GAMMA = {"specdec_off": 0, "specdec_g2": 2, "specdec_g4": 4, "specdec_g6": 6}
+
+
+def find(rows: list[dict], contender: str, mode: str, concurrency: int) -> dict | None:
+    return next(
+        (
+            r
+            for r in rows
+            if r["contender"] == contender and r["mode"] == mode and r["concurrency"] == concurrency
+        ),
+        None,
+    )
+
+
+def bound_for(row: dict, costs: dict) -> dict:
+    """Model bound (ρ = 0) for a specdec row, its measured decode rate, and the implied ρ."""
+    acc = row["acceptance"]
+    gamma = FIXED_GAMMA.get(row["contender"], acc["mean_gamma"])
+    alpha = acc["alpha"] or 0.0
+    bound = metrics.model_bound(alpha, gamma, costs)
+    measured = row["decode_tokens_per_s_per_request"]
+    step_s = costs["target_step_ms"] / 1000.0
+    measured_speedup = measured * step_s
+    if gamma > 0:
+        e = metrics._expected(alpha, gamma)
+        implied_rho = (
+            e / measured_speedup - gamma * costs["c"] - metrics.interpolate_v(costs["v"], gamma)
+        )
+    else:
+        implied_rho = 1.0 / measured_speedup - 1.0
+    return {
+        **key(row),
+        "alpha": alpha,
+        "gamma": gamma,
+        "expected_tokens_per_round": metrics._expected(alpha, gamma) if gamma > 0 else 1.0,
+        "c": costs["c"],
+        "v": metrics.interpolate_v(costs["v"], gamma) if gamma > 0 else 1.0,
+        "bound_speedup": bound["speedup"],
+        "bound_tokens_per_s": bound["tokens_per_s"],
+        "measured_decode_tokens_per_s": measured,
+        "measured_over_bound": measured / bound["tokens_per_s"],
+        "implied_rho": implied_rho,
+        "implied_overhead_ms_per_round": implied_rho * costs["target_step_ms"],
+    }
+
+
+def key(row: dict) -> dict:
+    return {k: row[k] for k in ("contender", "mode", "concurrency")}
+
+
+def pooled_per_position(rows: list[dict], contender: str, mode: str) -> list[float]:
+    """Acceptance per position over every concurrency of one contender and mode."""
+    total_rounds, sums = 0, []
+    for r in rows:
+        if r["contender"] != contender or r["mode"] != mode or "acceptance" not in r:
+            continue
+        rounds = r["acceptance"]["rounds"]
+        total_rounds += rounds
+        for i, rate in enumerate(r["acceptance"]["accepted_per_position"]):
+            sums += [0.0] * (i + 1 - len(sums))
+            sums[i] += rate * rounds
+    return [s / total_rounds for s in sums] if total_rounds else []
+
+
+def goals(rows: list[dict], bounds: list[dict], concurrency: list[int]) -> list[dict]:
+    out = []
+
+    def ratio(a, b):
+        return a["tokens_per_s"] / b["tokens_per_s"] if a and b else float("nan")
+
+    adaptive = find(rows, "specdec_adaptive", "greedy", 1)
+    for peer, need in (("hf_target", 2.0), ("hf_assisted", 1.2)):
+        got = ratio(adaptive, find(rows, peer, "greedy", 1))
+        out.append(
+            {"goal": f"conc 1 greedy: adaptive ≥ {need}× {peer}", "value": got, "met": got >= need}
+        )
+    top = max(concurrency)
+    for mode in ("greedy", "sampling"):
+        adaptive = find(rows, "specdec_adaptive", mode, top)
+        got = ratio(adaptive, find(rows, "hf_assisted", mode, top))
+        out.append(
+            {
+                "goal": f"conc {top} {mode}: adaptive ≥ 3× hf_assisted (aggregate)",
+                "value": got,
+                "met": got >= 3.0,
+            }
+        )
+    worst = min(
+        (
+            ratio(find(rows, name, mode, c), find(rows, "specdec_off", mode, c))
+            for name in ("specdec_adaptive",)
+            for mode in ("greedy", "sampling")
+            for c in concurrency
+        ),
+        default=float("nan"),
+    )
+    out.append(
+        {
+            "goal": "adaptive never below speculation off (any mode, any conc)",
+            "value": worst,
+            "met": worst >= 1.0,
+        }
+    )
+    for b in bounds:
+        if b["contender"] == "specdec_adaptive":
+            got = b["measured_over_bound"]
+            out.append(
+                {
+                    "goal": f"conc 1 {b['mode']}: adaptive within 15% of the model bound",
+                    "value": got,
+                    "met": got >= 0.85,
+                }
+            )
+    return out
+
+
+def analyse(meta: dict, costs: dict, rows: list[dict], checks: dict) -> dict:
+    for row in rows:
+        for peer in ("hf_target", "hf_assisted"):
+            ref = find(rows, peer, row["mode"], row["concurrency"])
+            row[f"speedup_vs_{peer}"] = row["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+    rows.sort(key=lambda r: (r["mode"] != "greedy", r["concurrency"], ORDER.index(r["contender"])))
+    bounds = [
+        bound_for(r, costs)
+        for r in rows
+        if r["concurrency"] == 1 and r["contender"].startswith("specdec")
+    ]
+    per_position = {
+        f"{name}/{mode}": pooled_per_position(rows, name, mode)
+        for name in ORDER[3:]
+        for mode in ("greedy", "sampling")
+    }
+    return {
+        "meta": meta,
+        "costs": costs,
+        "rows": rows,
+        "bounds": bounds,
+        "acceptance_per_position_pooled": per_position,
+        "greedy_checks": checks,
+        "goals": goals(rows, bounds, meta["concurrency"]),
+    }
+
+
+def markdown(result: dict) -> str:
+    from bench.tables import render
+
+    return render(result)
+
+
+def plots(result: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, conc = result["rows"], result["meta"]["concurrency"]
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, mode in zip(axes, ("greedy", "sampling")):
+        for name in ORDER:
+            ys = [find(rows, name, mode, c) for c in conc]
+            ys = [r["tokens_per_s"] if r else float("nan") for r in ys]
+            style = "--" if name.startswith("hf_") else "-o"
+            ax.plot(
+                conc,
+                ys,
+                style,
+                label=rows and next(r["label"] for r in rows if r["contender"] == name),
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(f"{mode}: aggregate tokens/s (HF peers: sequential service)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("generated tokens / s")
+    axes[1].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    paths.append(out / "tokens_per_s_vs_concurrency.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    pooled = result["acceptance_per_position_pooled"]
+    for ax, mode in zip(axes, ("greedy", "sampling")):
+        for name in ORDER[3:]:
+            rates = pooled.get(f"{name}/{mode}", [])
+            if rates:
+                label = next(r["label"] for r in rows if r["contender"] == name)
+                ax.plot(range(1, len(rates) + 1), rates, "-o", label=label)
+        ax.set_xlabel("candidate position")
+        ax.set_title(f"{mode}: rounds accepting candidate i / all rounds", fontsize=10)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("acceptance per position")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "acceptance_per_position.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_outputs(result: dict, out: Path) -> list[Path]:
+    json_path, md_path = out / "results.json", out / "results.md"
+    json_path.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    md_path.write_text(markdown(result))
+    return [json_path, md_path, *plots(result, out)]

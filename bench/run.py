@@ -1,0 +1,332 @@
+"""specdec against the peers a user would pick instead, side by side, in one run.
+
+    python -m bench.run [--quick] [--out results/bench]      (also: specdec bench ...)
+
+Contenders, on the demo pair and held-out prompts, for greedy and for sampling
+(temperature 0.8, top-p 0.95), at concurrency 1, 4 and 16 (--quick: 1 and 4):
+  1. HF `generate` with the target alone (in-process, autoregressive baseline);
+  2. HF assisted generation (`assistant_model=draft`, HF's default assistant settings);
+  3. specdec with speculation off (num_speculative_tokens = 0), through the whole stack;
+  4. specdec with fixed γ = 2, 4, 6;
+  5. specdec adaptive (num_speculative_tokens unset).
+Same CPU threads for everyone: the HF peers run in a subprocess with 2 torch threads; the
+stack's target and draft workers get 1 thread each. The HF peers serve at batch size 1, so
+concurrent requests queue behind each other (reported as sequential service).
+Writes results.json, results.md and PNG plots under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import metrics
+from bench.prompts import heldout_prompts
+
+MODES = (
+    {"name": "greedy", "temperature": 0.0, "top_p": 1.0},
+    {"name": "sampling", "temperature": 0.8, "top_p": 0.95},
+)
+SPECDEC = (("specdec_off", 0), ("specdec_g2", 2), ("specdec_g4", 4), ("specdec_g6", 6))
+SPECDEC += (("specdec_adaptive", None),)
+LABELS = {
+    "hf_target": "HF generate, target only",
+    "hf_assisted": "HF assisted generation",
+    "specdec_off": "specdec, speculation off",
+    "specdec_g2": "specdec, γ=2",
+    "specdec_g4": "specdec, γ=4",
+    "specdec_g6": "specdec, γ=6",
+    "specdec_adaptive": "specdec, adaptive γ",
+}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small run (< 5 minutes)")
+    parser.add_argument("--out", default=env("SPECDEC_OUT", "results/bench"))
+    parser.add_argument("--target-model", default=env("SPECDEC_TARGET_MODEL", "models/target"))
+    parser.add_argument("--draft-model", default=env("SPECDEC_DRAFT_MODEL", "models/draft"))
+    parser.add_argument(
+        "--heldout-list", default=env("SPECDEC_HELDOUT_LIST", "models/heldout_files.txt")
+    )
+    parser.add_argument("--prompts", type=int, help="prompts per run (default 16, quick 4)")
+    parser.add_argument("--max-new-tokens", type=int, help="default 128, quick 64")
+    parser.add_argument("--concurrency", help="comma-separated (default 1,4,16, quick 1,4)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads per contender")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="limit of each run")
+    args = parser.parse_args(argv)
+    args.prompts = args.prompts or (4 if args.quick else 16)
+    args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
+    args.concurrency = [
+        int(c) for c in (args.concurrency or ("1,4" if args.quick else "1,4,16")).split(",")
+    ]
+    if args.threads < 2:
+        parser.error("--threads must be >= 2 (one for the draft worker, the rest for the target)")
+    return args
+
+
+def subprocess_job(job: dict, timeout_s: float) -> dict:
+    """Run a bench.inproc job in a fresh interpreter with its own thread count."""
+    with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
+        job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(job["threads"]),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        subprocess.run(
+            [sys.executable, "-m", "bench.inproc", job_path, result_path],
+            check=True,
+            timeout=timeout_s,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+        with open(result_path) as f:
+            return json.load(f)
+
+
+def progress_line(i: int, total: int, row: dict, seconds: float) -> str:
+    acc = row.get("acceptance_rate")
+    return (
+        f"[{i:>2}/{total}] {LABELS[row['contender']]:<26} {row['mode']:<8} conc {row['concurrency']:>2}  "
+        f"{row['tokens_per_s']:7.1f} tok/s  {row['tokens_per_s_per_request']:6.1f}/req  "
+        f"TPOT p50 {row['tpot_ms_p50']:6.1f} ms  TTFT p50 {row['ttft_ms_p50']:7.1f} ms  "
+        f"accept {'  n/a' if acc is None else f'{acc:.2f}'}  ({seconds:.0f} s)"
+    )
+
+
+def strip(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "token_ids"} for r in records]
+
+
+def greedy_check(reference: list[dict], records: list[dict]) -> dict:
+    """How many greedy outputs equal HF's target-only greedy output, token for token."""
+    first_diff = []
+    for ref, rec in zip(reference, records):
+        a, b = ref["token_ids"], rec["token_ids"]
+        diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if diff is None and len(a) != len(b):
+            diff = min(len(a), len(b))
+        first_diff.append(diff)
+    return {
+        "identical": sum(d is None for d in first_diff),
+        "requests": len(first_diff),
+        "first_difference": first_diff,
+    }
+
+
+def run_stack(args, prompts, rows, raw, total, log) -> None:
+    from bench.serving import run_load_sync
+    from specdec.redis_embedded import free_port
+    from specdec.stack import Stack, StackSettings
+
+    stack = Stack(
+        StackSettings(
+            target_model=args.target_model,
+            draft_model=args.draft_model,
+            port=free_port(),
+            host="127.0.0.1",
+            draft_threads=1,
+            target_threads=args.threads - 1,
+        )
+    )
+    try:
+        stack.start(progress=lambda msg: log(f"  {msg}"))
+        top = max(args.concurrency)
+        for _name, gamma in SPECDEC:  # warm-up: every contender, batched, both modes
+            for mode in MODES:
+                run_load_sync(stack.address, prompts[:top], mode, gamma, 16, top, args.timeout_s)
+        log("  warmed up (every specdec contender, both modes, 16 tokens)")
+        for mode in MODES:
+            for concurrency in args.concurrency:
+                for name, gamma in SPECDEC:
+                    started = time.monotonic()
+                    run = run_load_sync(
+                        stack.address,
+                        prompts,
+                        mode,
+                        gamma,
+                        args.max_new_tokens,
+                        concurrency,
+                        args.timeout_s,
+                    )
+                    if stack.dead_children():
+                        raise RuntimeError(f"{stack.dead_children()[0].name} died during the run")
+                    row = make_row(name, mode["name"], concurrency, run["requests"], run["wall_s"])
+                    row["acceptance"] = metrics.acceptance(run["requests"])
+                    row.update(
+                        {
+                            k: row["acceptance"][k]
+                            for k in ("acceptance_rate", "mean_acceptance_length")
+                        }
+                    )
+                    rows.append(row)
+                    raw.append({**key(row), "wall_s": run["wall_s"], "requests": run["requests"]})
+                    log(progress_line(len(rows), total, row, time.monotonic() - started))
+    finally:
+        stack.stop()
+
+
+def key(row: dict) -> dict:
+    return {k: row[k] for k in ("contender", "mode", "concurrency")}
+
+
+def make_row(
+    contender: str, mode: str, concurrency: int, records: list[dict], wall_s: float
+) -> dict:
+    return {
+        "contender": contender,
+        "label": LABELS[contender],
+        "mode": mode,
+        "concurrency": concurrency,
+        "service": "sequential (batch size 1)" if contender.startswith("hf_") else "concurrent",
+        **metrics.timing(records, wall_s),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers import AutoTokenizer
+
+    from bench.report import analyse, write_outputs
+
+    args = parse(argv)
+    started = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    for d in (args.target_model, args.draft_model):
+        if not os.path.isfile(os.path.join(d, "config.json")):
+            raise SystemExit(f"{d!r} holds no trained model (config.json); train it: make models")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.target_model)
+    prompts, prompt_info = heldout_prompts(tokenizer, args.prompts, 64, args.heldout_list)
+    total = len(MODES) * len(args.concurrency) * (2 + len(SPECDEC))
+    log(
+        f"specdec bench{' --quick' if args.quick else ''}: {args.prompts} held-out prompts x 64 tokens, "
+        f"{args.max_new_tokens} new tokens, concurrency {args.concurrency}, "
+        f"{os.cpu_count()} CPUs; HF peers {args.threads} threads, stack target {args.threads - 1} + draft 1"
+    )
+
+    log("measuring per-token costs in-process (1 thread): target step, draft step, verify(γ+1)")
+    context = [t for p in prompts for t in p][: 64 + args.max_new_tokens // 2]
+    costs = subprocess_job(
+        {
+            "job": "costs",
+            "threads": 1,
+            "target_model": args.target_model,
+            "draft_model": args.draft_model,
+            "context": context,
+            "max_gamma": 8,
+            "reps": 30 if args.quick else 100,
+            "warmup": 5,
+        },
+        timeout_s=args.timeout_s,
+    )
+    v_text = ", ".join(f"v({g})={x:.2f}" for g, x in costs["v"].items())
+    log(
+        f"  target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
+        f"c={costs['c']:.3f}; {v_text}"
+    )
+
+    log(f"HF peers in a subprocess ({args.threads} threads), one request at a time")
+    hf = subprocess_job(
+        {
+            "job": "hf",
+            "threads": args.threads,
+            "target_model": args.target_model,
+            "draft_model": args.draft_model,
+            "prompts": prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+            "modes": list(MODES),
+        },
+        timeout_s=args.timeout_s * 4,
+    )
+    rows: list[dict] = []
+    raw: list[dict] = []
+    for mode in MODES:
+        for concurrency in args.concurrency:
+            for peer in ("hf_target", "hf_assisted"):
+                measured = hf["peers"][mode["name"]][peer]["requests"]
+                queued, wall = metrics.sequential_service(measured, concurrency)
+                row = make_row(peer, mode["name"], concurrency, queued, wall)
+                forwards = sum(r["target_forwards"] for r in measured)
+                tokens = sum(r["generated_tokens"] for r in measured)
+                row["acceptance_rate"] = None
+                row["mean_acceptance_length"] = tokens / forwards if peer == "hf_assisted" else None
+                rows.append(row)
+                service_s = sum(r["latency_s"] for r in measured)
+                log(progress_line(len(rows), total, row, service_s) + "  [sequential service]")
+    for mode in MODES:
+        for peer in ("hf_target", "hf_assisted"):
+            measured = hf["peers"][mode["name"]][peer]
+            raw.append({"contender": peer, "mode": mode["name"], "concurrency": 1, **measured})
+
+    log(f"specdec stack: target worker {args.threads - 1} thread(s), draft worker 1 thread")
+    run_stack(args, prompts, rows, raw, total, log)
+
+    checks = {}
+    for entry in raw:
+        if entry["mode"] == "greedy" and entry["contender"] != "hf_target":
+            reference = next(
+                r["requests"]
+                for r in raw
+                if r["contender"] == "hf_target" and r["mode"] == "greedy"
+            )
+            checks[f"{entry['contender']}@{entry['concurrency']}"] = greedy_check(
+                reference, entry["requests"]
+            )
+    meta = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m bench.run" + (" --quick" if args.quick else ""),
+        "quick": args.quick,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "device": "cpu",
+        },
+        "threads": {
+            "hf_peers": args.threads,
+            "stack_target_worker": args.threads - 1,
+            "stack_draft_worker": 1,
+            "cost_measurement": 1,
+        },
+        "target_model": args.target_model,
+        "draft_model": args.draft_model,
+        "prompts": {**prompt_info, "count": len(prompts)},
+        "max_new_tokens": args.max_new_tokens,
+        "concurrency": args.concurrency,
+        "modes": list(MODES),
+        "hf_assistant_defaults": {
+            "num_assistant_tokens": 20,
+            "num_assistant_tokens_schedule": "constant",
+            "assistant_confidence_threshold": 0.4,
+        },
+        "duration_s": time.monotonic() - started,
+    }
+    for entry in raw:
+        entry["requests"] = strip(entry["requests"])
+    result = analyse(meta, costs, rows, checks)
+    result["raw"] = raw
+    paths = write_outputs(result, out)
+    log(f"done in {meta['duration_s'] / 60:.1f} min; wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The Markdown report of one benchmark run (results.md)."""
+
+from __future__ import annotations
+
+import math
+
+
+def fmt(x, digits: int = 1, suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.{digits}f}{suffix}"
+
+
+def per_position(rates: list[float]) -> str:
+    return " ".join(f"{r:.2f}".lstrip("0") for r in rates) if rates else "n/a"
+
+
+def header(result: dict) -> list[str]:
+    meta, costs = result["meta"], result["costs"]
+    threads = meta["threads"]
+    prompts = meta["prompts"]
+    v = ", ".join(f"v({g})={x:.2f}" for g, x in costs["v"].items())
+    return [
+        f"# specdec benchmark{' (--quick)' if meta['quick'] else ''}, {meta['date_utc']}",
+        "",
+        f"- Command: `{meta['command']}` ({meta['duration_s'] / 60:.1f} min)",
+        f"- Machine: {meta['machine']['cpus']} CPU cores, no GPU ({meta['machine']['platform']}), "
+        f"Python {meta['machine']['python']}",
+        f"- Threads: HF peers {threads['hf_peers']} torch threads in one process; specdec target worker "
+        f"{threads['stack_target_worker']} + draft worker {threads['stack_draft_worker']} "
+        f"(= {threads['stack_target_worker'] + threads['stack_draft_worker']}). The coordinator, Redis "
+        "and the benchmark client share the same cores and are not counted.",
+        f"- Models: target `{meta['target_model']}`, draft `{meta['draft_model']}` (float32, CPU)",
+        f"- Prompts: {prompts['count']} held-out prompts of {prompts['prompt_tokens']} tokens "
+        f"(from {prompts['source']}); {meta['max_new_tokens']} new tokens each, EOS ignored, so every "
+        "contender generates the same number of tokens.",
+        "- Sampling: greedy; and temperature 0.8, top-p 0.95 (top-k off). "
+        "HF assisted generation uses HF's default assistant settings "
+        f"({meta['hf_assistant_defaults']}).",
+        f"- Per-token costs in-process (1 thread, KV cache of {costs['context_tokens']} tokens): "
+        f"target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
+        f"c = {costs['c']:.3f}; {v}.",
+        "",
+    ]
+
+
+def results_table(result: dict) -> list[str]:
+    lines = [
+        "## Results",
+        "",
+        "The HF peers generate one request at a time (batch size 1): at concurrency C their "
+        "requests queue, so aggregate throughput is their sequential throughput, and TTFT and "
+        "per-request tokens/s include the queueing delay computed from the measured service "
+        "times (sequential service). Speedups are ratios of aggregate tokens/s measured in this "
+        "run at the same mode and concurrency. For HF assisted generation the mean acceptance "
+        "length is tokens per target forward; its acceptance rate is not exposed by HF (n/a).",
+        "",
+        "| mode | conc | contender | tok/s aggregate | tok/s per request | TPOT p50 ms | TPOT p95 ms "
+        "| TTFT p50 ms | TTFT p95 ms | acceptance rate | mean acceptance length | acceptance per position "
+        "| × HF target | × HF assisted |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in result["rows"]:
+        rates = r.get("acceptance", {}).get("accepted_per_position", [])
+        lines.append(
+            f"| {r['mode']} | {r['concurrency']} | {r['label']} | {fmt(r['tokens_per_s'])} "
+            f"| {fmt(r['tokens_per_s_per_request'])} | {fmt(r['tpot_ms_p50'])} | {fmt(r['tpot_ms_p95'])} "
+            f"| {fmt(r['ttft_ms_p50'], 0)} | {fmt(r['ttft_ms_p95'], 0)} | {fmt(r.get('acceptance_rate'), 2)} "
+            f"| {fmt(r.get('mean_acceptance_length'), 2)} | {per_position(rates)} "
+            f"| {fmt(r['speedup_vs_hf_target'], 2, '×')} | {fmt(r['speedup_vs_hf_assisted'], 2, '×')} |"
+        )
+    return lines + [""]
+
+
+def bounds_table(result: dict) -> list[str]:
+    costs = result["costs"]
+    lines = [
+        "## Performance-model bound (concurrency 1)",
+        "",
+        "Synchronous model (the coordinator drafts, then verifies): S = E / (γ·c + v(γ) + ρ) with "
+        "E = (1 − α̂^(γ+1)) / (1 − α̂). The bound takes ρ = 0 (no network or coordination), α̂ "
+        "measured in this run, c and v(γ) measured in-process; bound tokens/s = S / target step "
+        f"({costs['target_step_ms']:.2f} ms). Measured = decode tokens/s per request (1 / mean TPOT). "
+        "Implied ρ = the per-round overhead (in target steps, and in ms) that makes the model match "
+        "the measurement. For the adaptive policy γ is its mean γ per round.",
+        "",
+        "| mode | contender | α̂ | γ | E | v(γ) | bound speedup | bound tok/s | measured tok/s "
+        "| measured / bound | implied ρ | overhead ms / round |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b in result["bounds"]:
+        label = next(r["label"] for r in result["rows"] if r["contender"] == b["contender"])
+        lines.append(
+            f"| {b['mode']} | {label} | {fmt(b['alpha'], 3)} | {fmt(float(b['gamma']), 2)} "
+            f"| {fmt(b['expected_tokens_per_round'], 2)} | {fmt(b['v'], 2)} | {fmt(b['bound_speedup'], 2, '×')} "
+            f"| {fmt(b['bound_tokens_per_s'])} | {fmt(b['measured_decode_tokens_per_s'])} "
+            f"| {fmt(100 * b['measured_over_bound'], 0, '%')} | {fmt(b['implied_rho'], 2)} "
+            f"| {fmt(b['implied_overhead_ms_per_round'], 1)} |"
+        )
+    return lines + [""]
+
+
+def goals_and_checks(result: dict) -> list[str]:
+    lines = ["## Goals", "", "| goal | measured | met |", "|---|---:|---|"]
+    for g in result["goals"]:
+        lines.append(f"| {g['goal']} | {fmt(g['value'], 2)} | {'yes' if g['met'] else '**no**'} |")
+    lines += [
+        "",
+        "## Greedy outputs against HF `generate` (target only)",
+        "",
+        "Greedy speculative decoding must reproduce the target's own greedy output. Identical "
+        "requests out of all; where one differs, the first differing position (float32 results "
+        "of a batched, padded forward can differ from batch-1 results in the last bits, which "
+        "can flip a near-tie).",
+        "",
+        "| contender @ concurrency | identical | first differences |",
+        "|---|---:|---|",
+    ]
+    for name, check in result["greedy_checks"].items():
+        diffs = [d for d in check["first_difference"] if d is not None]
+        lines.append(
+            f"| {name} | {check['identical']}/{check['requests']} | {', '.join(map(str, diffs)) or '-'} |"
+        )
+    return lines + [""]
+
+
+def definitions() -> list[str]:
+    return [
+        "## Definitions",
+        "",
+        "- tok/s aggregate: generated tokens of all requests / wall time of the run.",
+        "- tok/s per request: mean over requests of generated tokens / request latency.",
+        "- TTFT: request sent to first token received, measured by the client "
+        "(GenerateStream for specdec, a streamer for HF).",
+        "- TPOT: (latency − TTFT) / (tokens after the first arrival), per request; p50/p95 over requests.",
+        "- acceptance rate = accepted / proposed candidates; mean acceptance length = "
+        "(accepted + rounds) / rounds; acceptance per position i = rounds that accepted "
+        "candidate i / rounds (rounds that proposed fewer candidates count as not accepted).",
+        "",
+    ]
+
+
+def render(result: dict) -> str:
+    lines = header(result) + results_table(result) + bounds_table(result)
+    lines += goals_and_checks(result) + definitions()
+    lines += [
+        "Plots: `tokens_per_s_vs_concurrency.png`, `acceptance_per_position.png`.",
+        "",
+    ]
+    return "\n".join(lines)
