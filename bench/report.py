@@ -132,7 +132,20 @@ def goals(rows: list[dict], bounds: list[dict], concurrency: list[int]) -> list[
     return out
 
 
-def analyse(meta: dict, costs: dict, rows: list[dict], checks: dict) -> dict:
+def with_stack_rounds(rounds: list[dict], rows: list[dict]) -> list[dict]:
+    """Add the stack's own round time (greedy, concurrency 1) and the coordinator's share."""
+    names = {0: "specdec_off", 2: "specdec_g2", 4: "specdec_g4", 6: "specdec_g6"}
+    for r in rounds:
+        row = find(rows, names.get(r["gamma"], ""), "greedy", 1)
+        if row is None or not row["decode_tokens_per_s_per_request"] or r["round_ms"] is None:
+            continue
+        per_round = row.get("mean_acceptance_length") or 1.0
+        r["stack_round_ms"] = 1000.0 * per_round / row["decode_tokens_per_s_per_request"]
+        r["coordinator_ms"] = r["stack_round_ms"] - r["round_ms"]
+    return rounds
+
+
+def analyse(meta: dict, costs: dict, rows: list[dict], checks: dict, rounds: list[dict]) -> dict:
     for row in rows:
         for peer in ("hf_target", "hf_assisted"):
             ref = find(rows, peer, row["mode"], row["concurrency"])
@@ -155,6 +168,7 @@ def analyse(meta: dict, costs: dict, rows: list[dict], checks: dict) -> dict:
         "bounds": bounds,
         "acceptance_per_position_pooled": per_position,
         "greedy_checks": checks,
+        "round_breakdown": with_stack_rounds(rounds, rows),
         "goals": goals(rows, bounds, meta["concurrency"]),
     }
 

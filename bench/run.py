@@ -126,7 +126,9 @@ def greedy_check(reference: list[dict], records: list[dict]) -> dict:
     }
 
 
-def run_stack(args, prompts, rows, raw, total, log) -> None:
+def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
+    """Every specdec contender through the whole stack; then the direct round breakdown."""
+    from bench.breakdown import breakdown
     from bench.serving import run_load_sync
     from specdec.redis_embedded import free_port
     from specdec.stack import Stack, StackSettings
@@ -174,6 +176,22 @@ def run_stack(args, prompts, rows, raw, total, log) -> None:
                     rows.append(row)
                     raw.append({**key(row), "wall_s": run["wall_s"], "requests": run["requests"]})
                     log(progress_line(len(rows), total, row, time.monotonic() - started))
+        log("round breakdown: the stack's workers driven directly (greedy, one session)")
+        rounds = breakdown(
+            stack.draft_addresses[0],
+            stack.target_addresses[0],
+            prompts[0],
+            [0, 2, 4, 6],
+            args.max_new_tokens,
+            costs,
+        )
+        for r in rounds:
+            log(
+                f"  γ={r['gamma']}: round {r['round_ms']:.1f} ms = draft forward "
+                f"{r['draft_forward_ms']:.1f} + draft RPC {r['draft_rpc_ms']:.1f} + target forward "
+                f"{r['target_forward_ms']:.1f} + verify RPC {r['target_rpc_ms']:.1f}"
+            )
+        return rounds
     finally:
         stack.stop()
 
@@ -276,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             raw.append({"contender": peer, "mode": mode["name"], "concurrency": 1, **measured})
 
     log(f"specdec stack: target worker {args.threads - 1} thread(s), draft worker 1 thread")
-    run_stack(args, prompts, rows, raw, total, log)
+    rounds = run_stack(args, prompts, costs, rows, raw, total, log)
 
     checks = {}
     for entry in raw:
@@ -321,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for entry in raw:
         entry["requests"] = strip(entry["requests"])
-    result = analyse(meta, costs, rows, checks)
+    result = analyse(meta, costs, rows, checks, rounds)
     result["raw"] = raw
     paths = write_outputs(result, out)
     log(f"done in {meta['duration_s'] / 60:.1f} min; wrote " + ", ".join(str(p) for p in paths))

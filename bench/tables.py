@@ -100,6 +100,32 @@ def bounds_table(result: dict) -> list[str]:
     return lines + [""]
 
 
+def breakdown_table(result: dict) -> list[str]:
+    lines = [
+        "## Where a round's time goes (greedy, concurrency 1)",
+        "",
+        "The stack's draft and target workers driven directly by the benchmark, one session, as "
+        "the coordinator drives them (median ms per round, first round excluded). Worker forward "
+        "= the worker's own forward time; RPC + handling = client-side call time minus it "
+        "(gRPC, protobuf, base checks, KV bookkeeping, sampling). In-process = the same work "
+        "in plain HF at 1 thread. Stack round = the full stack's time per round at concurrency 1 "
+        "(TPOT × tokens per round); coordinator = stack round − direct round (Redis commit, "
+        "streaming, asyncio scheduling).",
+        "",
+        "| γ | draft in-process | draft forward | draft RPC + handling | verify in-process "
+        "| target forward | verify RPC + handling | direct round | stack round | coordinator |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result.get("round_breakdown", []):
+        lines.append(
+            f"| {r['gamma']} | {fmt(r['inprocess_draft_ms'])} | {fmt(r['draft_forward_ms'])} "
+            f"| {fmt(r['draft_rpc_ms'])} | {fmt(r['inprocess_verify_ms'])} | {fmt(r['target_forward_ms'])} "
+            f"| {fmt(r['target_rpc_ms'])} | {fmt(r['round_ms'])} | {fmt(r.get('stack_round_ms'))} "
+            f"| {fmt(r.get('coordinator_ms'))} |"
+        )
+    return lines + [""]
+
+
 def goals_and_checks(result: dict) -> list[str]:
     lines = ["## Goals", "", "| goal | measured | met |", "|---|---:|---|"]
     for g in result["goals"]:
@@ -141,7 +167,7 @@ def definitions() -> list[str]:
 
 
 def render(result: dict) -> str:
-    lines = header(result) + results_table(result) + bounds_table(result)
+    lines = header(result) + results_table(result) + bounds_table(result) + breakdown_table(result)
     lines += goals_and_checks(result) + definitions()
     lines += [
         "Plots: `tokens_per_s_vs_concurrency.png`, `acceptance_per_position.png`.",
