@@ -163,20 +163,18 @@ class SessionRun:
         if worker is None:
             await pool.refresh()
             worker = pool.pick(exclude=exclude)
-        if worker is None:
-            link.worker = None
-            return False
         if link.worker is not None:
             link.worker.sessions.discard(self.session_id)
         link.worker, link.synced = worker, 0
-        worker.sessions.add(self.session_id)
+        if worker is not None:
+            worker.sessions.add(self.session_id)
         self.epoch = await self.store.reassign(
             self.session_id,
             self.c.owner,
             self.draft.worker.address if self.draft.worker else "",
             self.target.worker.address if self.target.worker else "",
         )
-        return True
+        return worker is not None
 
     async def _propose(self, gamma: int):
         link = self.draft

@@ -18,9 +18,13 @@ pytestmark = pytest.mark.slow
 N = 160
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def stack2(model_dirs):
-    """Two draft workers, two target workers, two coordinators (short leases)."""
+    """Two draft workers, two target workers, two coordinators (short leases).
+
+    One stack for the module (start-up is the slow part); the tests run in file order and
+    each leaves what the next needs: disconnect, target dies, coordinator A dies, drafts die.
+    """
     settings = StackSettings(
         model_dirs["target"], model_dirs["draft"], port=free_port(), draft_workers=2, target_workers=2,
         coordinator_args=["--lease-s", "1.0", "--draft-timeout-s", "2", "--worker-timeout-s", "20"],
@@ -31,15 +35,20 @@ def stack2(model_dirs):
         yield running
 
 
+def live_address(stack) -> str:
+    first = stack.child("coordinator")
+    return stack.address if first.alive() else f"127.0.0.1:{stack.second_port}"
+
+
 def reference(stack, **kwargs) -> list[int]:
-    with Client(stack.address, timeout_s=120) as client:
+    with Client(live_address(stack), timeout_s=120) as client:
         return list(client.generate("def add(a, b):", max_new_tokens=N, ignore_eos=True, **kwargs).token_ids)
 
 
 def stream_and_kill(stack, kill, addresses=None, after_tokens=20, **kwargs):
     """Stream a session; once `after_tokens` arrived, call kill(); return (tokens, last chunk)."""
     tokens, last, killed = [], None, False
-    with Client(addresses or [stack.address], timeout_s=180, backoff_s=0.3) as client:
+    with Client(addresses or [live_address(stack)], timeout_s=180, backoff_s=0.3) as client:
         for chunk in client.stream("def add(a, b):", max_new_tokens=N, ignore_eos=True, **kwargs):
             assert chunk.offset == len(tokens), "a token was lost or repeated"
             tokens += list(chunk.token_ids)
@@ -51,28 +60,31 @@ def stream_and_kill(stack, kill, addresses=None, after_tokens=20, **kwargs):
     return tokens, last
 
 
-def worker_serving(stack, name: str) -> str:
-    return next(c for c in stack.children if c.name == name)
-
-
-def test_draft_worker_dies(stack2):
-    expected = reference(stack2, temperature=0.0, num_speculative_tokens=3)
-    victims = []
-
-    def kill():  # kill both: the session must fail over, then continue target-only
-        for name in ("draft-worker-0", "draft-worker-1"):
-            stack2.child(name).signal(signal.SIGKILL)
-            victims.append(name)
-
-    tokens, last = stream_and_kill(stack2, kill, temperature=0.0, num_speculative_tokens=3)
-    assert tokens == expected
-    assert last.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
-    assert last.stats.draft_failovers >= 1
+def test_client_disconnect_stops_the_session(stack2):
+    channel = grpc.insecure_channel(live_address(stack2))
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    request = coordinator_pb2.GenerateRequest(
+        prompt="x", session_id="walks-away",
+        sampling=common_pb2.SamplingParams(max_new_tokens=4000, ignore_eos=True),
+    )
+    call = stub.GenerateStream(request, timeout=60)
+    next(call)
+    call.cancel()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        info = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="walks-away"), timeout=5)
+        if info.status == coordinator_pb2.SESSION_STATUS_FINISHED:
+            break
+        time.sleep(0.1)
+    assert info.status == coordinator_pb2.SESSION_STATUS_FINISHED
+    assert info.finish_reason == coordinator_pb2.FINISH_REASON_CANCELLED
+    assert len(info.generated_token_ids) < 4000
+    channel.close()
 
 
 def test_target_worker_dies(stack2):
     expected = reference(stack2, temperature=0.8, seed=77, num_speculative_tokens=2)
-    channel = grpc.insecure_channel(stack2.address)
+    channel = grpc.insecure_channel(live_address(stack2))
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     session = "target-dies"
 
@@ -101,23 +113,29 @@ def test_coordinator_dies_and_another_resumes(stack2):
     assert time.monotonic() - started < 120
 
 
-def test_client_disconnect_stops_the_session(stack2):
-    channel = grpc.insecure_channel(stack2.address)
+def test_draft_worker_dies(stack2):
+    """First the session's draft dies (it moves to the other one), then the last one (target-only)."""
+    address = live_address(stack2)
+    expected = reference(stack2, temperature=0.0, num_speculative_tokens=3)
+    channel = grpc.insecure_channel(address)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-    request = coordinator_pb2.GenerateRequest(
-        prompt="x", session_id="walks-away",
-        sampling=common_pb2.SamplingParams(max_new_tokens=4000, ignore_eos=True),
-    )
-    call = stub.GenerateStream(request, timeout=60)
-    next(call)
-    call.cancel()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        info = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="walks-away"), timeout=5)
-        if info.status == coordinator_pb2.SESSION_STATUS_FINISHED:
-            break
-        time.sleep(0.1)
-    assert info.status == coordinator_pb2.SESSION_STATUS_FINISHED
-    assert info.finish_reason == coordinator_pb2.FINISH_REASON_CANCELLED
-    assert len(info.generated_token_ids) < 4000
+    killed = []
+
+    def kill_serving(session):
+        info = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=session), timeout=5)
+        index = stack2.draft_addresses.index(info.draft_worker)
+        stack2.child(f"draft-worker-{index}").signal(signal.SIGKILL)
+        killed.append(info.draft_worker)
+
+    for session in ("draft-dies-1", "draft-dies-2"):
+        tokens, last = stream_and_kill(
+            stack2, lambda s=session: kill_serving(s), temperature=0.0, num_speculative_tokens=3, session_id=session
+        )
+        assert tokens == expected
+        assert last.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+        assert last.stats.draft_failovers >= 1
+    first = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="draft-dies-1"), timeout=5)
+    assert first.draft_worker not in ("", killed[0])  # moved to the other draft worker
+    second = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="draft-dies-2"), timeout=5)
+    assert second.draft_worker == ""  # none left: finished target-only
     channel.close()
