@@ -66,7 +66,11 @@ async def main_async(settings: CoordinatorSettings) -> None:
         redis_url = embedded.url
         log.info("embedded redis-server on %s", redis_url)
     redis = aioredis.from_url(redis_url)
+    from specdec import telemetry
+
+    telemetry.setup("specdec-coordinator", settings.metrics_port)
     service = CoordinatorService(settings, load_tokenizer(settings.tokenizer), redis)
+    service.metrics = telemetry.CoordinatorMetrics(lambda: len(service.runs))
     server = Server(["specdec.v1.Coordinator"])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server.server)
     port = server.bind(settings.host, settings.port)

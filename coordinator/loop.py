@@ -202,6 +202,7 @@ class SessionRun:
             )
             self.c.drafts.mark_dead(link.worker.address)
             self.stats.draft_failovers += 1
+            self.c.count("failovers", tier="draft")
             await self._attach("draft", exclude={link.worker.address})
             return None  # this round goes target-only
 
@@ -243,6 +244,7 @@ class SessionRun:
                 )
                 self.c.targets.mark_dead(address)
                 self.stats.target_failovers += 1
+                self.c.count("failovers", tier="target")
                 failed.add(address)
                 self.target.worker = None
                 if time.monotonic() > deadline:
@@ -269,6 +271,7 @@ class SessionRun:
                 await self.round()
         except LostSession as exc:
             log.warning("%s; stopping", exc)
+            self.c.count("lost")
             self.error = exc
         except BaseException as exc:
             self.error = exc
@@ -318,12 +321,30 @@ class SessionRun:
             reason.name if reason is not None else "",
         )
         self.finish_reason = reason  # commit before stream (invariant 4)
+        self._observe(len(candidates), accepted, tokens, reason, time.perf_counter() - t0)
         self.changed.set()
         self.changed = asyncio.Event()
         round_s = time.perf_counter() - t0
         self.policy.observe(
             len(candidates), accepted, accepted < len(candidates), t1 - t0, t2 - t1, round_s
         )
+
+    def _observe(
+        self, gamma: int, accepted: int, tokens: list[int], reason, round_s: float
+    ) -> None:
+        m = self.c.metrics
+        if m is None:
+            return
+        m.rounds.add(1)
+        m.generated.add(len(tokens))
+        m.draft_tokens.add(gamma)
+        m.accepted.add(accepted)
+        m.round_seconds.record(round_s)
+        m.acceptance_length.record(accepted + 1)
+        if self.stats.rounds == 1 and self.stats.first_token_s is not None:
+            m.ttft.record(self.stats.first_token_s)
+        if reason is not None:
+            m.requests.add(1, {"finish_reason": reason.name})
 
     def _count(self, gamma: int, accepted: int) -> None:
         s = self.stats

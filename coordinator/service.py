@@ -44,6 +44,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             "target", split(settings.target_addr), fp, redis, settings.worker_timeout_s
         )
         self.runs: dict[str, tuple[SessionRun, asyncio.Task]] = {}
+        self.metrics = None  # specdec.telemetry.CoordinatorMetrics, set by main
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -82,6 +83,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             task.cancel()
         await self.drafts.close()
         await self.targets.close()
+
+    def count(self, name: str, **attrs) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, name).add(1, attrs)
+
+    def record_call(self, method: str, code: str) -> None:
+        if code != "OK":
+            self.count("rejected", method=method, code=code)
 
     def ready(self) -> bool:
         return bool(self.targets.alive())
@@ -178,6 +187,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         record = await self.store.load(record.session_id)
         run = self._spawn(record, epoch, _params_from_dict(record.sampling))
         run.stats.takeovers += 1
+        self.count("takeovers")
         log.info(
             "took over session %s at %d generated tokens (epoch %d)",
             record.session_id,
@@ -261,7 +271,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     chunk.stats.CopyFrom(_stats_msg(stats))
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
-            if not finished:  # the client went away (cancel, deadline, disconnect): stop its session
+            if (
+                not finished
+            ):  # the client went away (cancel, deadline, disconnect): stop its session
                 self._cancel_local(session_id)
             raise
 

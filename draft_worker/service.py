@@ -44,6 +44,22 @@ class DraftService(draft_pb2_grpc.DraftWorkerServicer):
             eos_token_ids=p.eos_token_ids,
         )
 
+    metrics = None  # specdec.telemetry.WorkerMetrics, set by serve_worker
+
+    def record_call(self, method: str, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_call(method, code)
+            if code == "FAILED_PRECONDITION":
+                self.metrics.resyncs.add(1, self.metrics.attrs)
+
+    def record_batch(self, queue_ns: int, forward_ns: int, batch: int, tokens: int) -> None:
+        if self.metrics is not None:
+            m = self.metrics
+            m.batch_size.record(batch, m.attrs)
+            m.forward_seconds.record(forward_ns / 1e9, m.attrs)
+            m.queue_seconds.record(queue_ns / 1e9, m.attrs)
+            m.tokens.add(tokens, m.attrs)
+
     def load(self) -> float:
         return self.batcher.in_flight / max(1, self.settings.max_batch_size)
 
@@ -67,11 +83,12 @@ class DraftService(draft_pb2_grpc.DraftWorkerServicer):
             item = ProposeItem(
                 session, request.base.base_len, gamma, params, request.seed, token_only
             )
-            outcome, queue_ns, forward_ns, _ = await self.batcher.submit(item, gamma)
+            outcome, queue_ns, forward_ns, batch_size = await self.batcher.submit(item, gamma)
             # the session holds all its candidates (the last has no KV yet), so after a round
             # with n accepted the caller sends the delta from base_len + n whatever n is
             session.tokens[request.base.base_len :] = outcome.candidates
         self.table.enforce_memory()
+        self.record_batch(queue_ns, forward_ns, batch_size, outcome.computed_tokens + gamma)
         dists = [
             common_pb2.SparseDist(token_ids=ids, weights=weights)
             for ids, weights in zip(outcome.dist_ids, outcome.dist_weights)

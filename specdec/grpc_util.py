@@ -36,11 +36,18 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
     return None
 
 
-async def _abort(context, exc: BaseException, name: str):
+def _record(service, name: str, code: grpc.StatusCode) -> None:
+    hook = getattr(service, "record_call", None)
+    if hook is not None:
+        hook(name, code.name)
+
+
+async def _abort(service, context, exc: BaseException, name: str):
     code = status_of(exc)
     if code is None:
         log.exception("unexpected error in %s", name)
         code = grpc.StatusCode.INTERNAL
+    _record(service, name, code)
     await context.abort(code, str(exc))
 
 
@@ -53,21 +60,24 @@ def rpc(method):
             try:
                 async for item in method(self, request, context):
                     yield item
+                _record(self, method.__name__, grpc.StatusCode.OK)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - mapped to a status, never a crash
-                await _abort(context, exc, method.__name__)
+                await _abort(self, context, exc, method.__name__)
 
         return stream_wrapper
 
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
         try:
-            return await method(self, request, context)
+            response = await method(self, request, context)
+            _record(self, method.__name__, grpc.StatusCode.OK)
+            return response
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never a crash
-            await _abort(context, exc, method.__name__)
+            await _abort(self, context, exc, method.__name__)
 
     return unary_wrapper
 

@@ -42,6 +42,22 @@ class TargetService(target_pb2_grpc.TargetWorkerServicer):
             eos_token_ids=runtime.eos_token_ids,
         )
 
+    metrics = None  # specdec.telemetry.WorkerMetrics, set by serve_worker
+
+    def record_call(self, method: str, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_call(method, code)
+            if code == "FAILED_PRECONDITION":
+                self.metrics.resyncs.add(1, self.metrics.attrs)
+
+    def record_batch(self, queue_ns: int, forward_ns: int, batch: int, tokens: int) -> None:
+        if self.metrics is not None:
+            m = self.metrics
+            m.batch_size.record(batch, m.attrs)
+            m.forward_seconds.record(forward_ns / 1e9, m.attrs)
+            m.queue_seconds.record(queue_ns / 1e9, m.attrs)
+            m.tokens.add(tokens, m.attrs)
+
     def load(self) -> float:
         """In-flight calls per batch slot, for least-load placement."""
         return self.batcher.in_flight / max(1, self.settings.max_batch_size)
@@ -90,6 +106,7 @@ class TargetService(target_pb2_grpc.TargetWorkerServicer):
             tokens = len(session.pending()) + len(candidates)
             outcome, queue_ns, forward_ns, batch_size = await self.batcher.submit(item, tokens)
         self.table.enforce_memory()
+        self.record_batch(queue_ns, forward_ns, batch_size, outcome.computed_tokens)
         return target_pb2.VerifyResponse(
             num_accepted=outcome.num_accepted,
             output_ids=outcome.output_ids,

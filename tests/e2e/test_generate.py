@@ -211,3 +211,55 @@ def test_prompt_length_limit(stub, hf):
 
 
 _ = itertools
+
+
+def test_prometheus_metrics(model_dirs):
+    """Each service serves /metrics; after a request the counters a user alerts on are there."""
+    import urllib.request
+
+    from specdec.redis_embedded import free_port
+    from specdec.stack import Stack, StackSettings
+
+    ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
+    settings = StackSettings(
+        model_dirs["target"],
+        model_dirs["draft"],
+        port=free_port(),
+        coordinator_args=["--metrics-port", str(ports["coordinator"])],
+        target_args=["--metrics-port", str(ports["target"])],
+        draft_args=["--metrics-port", str(ports["draft"])],
+    )
+    with Stack(settings) as stack:
+        from specdec.client import Client
+
+        with Client(stack.address) as client:
+            client.generate(
+                "def add(a, b):", max_new_tokens=12, num_speculative_tokens=2, ignore_eos=True
+            )
+        scrape = {
+            name: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+            .read()
+            .decode()
+            for name, port in ports.items()
+        }
+    assert sample(scrape["coordinator"], "specdec_requests_total", finish_reason="LENGTH") == 1.0
+    assert sample(scrape["coordinator"], "specdec_generated_tokens_total") == 12.0
+    assert sample(scrape["coordinator"], "specdec_round_seconds_count") >= 1.0
+    assert sample(scrape["coordinator"], "specdec_draft_tokens_total") >= 2.0
+    for role in ("target", "draft"):
+        assert (sample(scrape[role], "specdec_worker_batch_size_count", role=role) or 0) >= 1.0, (
+            scrape[role][-1500:]
+        )
+        assert sample(scrape[role], "specdec_worker_requests_total", role=role, code="OK") >= 1.0
+        assert sample(scrape[role], "specdec_worker_sessions", role=role) is not None
+
+
+def sample(text: str, name: str, **labels) -> float | None:
+    """Value of the first sample called `name` whose labels include `labels` (None if absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None
