@@ -5,6 +5,7 @@ worker with an epoch bump and a full-prefix resync; with no draft left it goes t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -221,7 +222,7 @@ class SessionRun:
                 return await self._call(
                     self.target,
                     "Verify",
-                    lambda base, delta: target_pb2.VerifyRequest(
+                    lambda base, delta, remaining=remaining: target_pb2.VerifyRequest(
                         base=base,
                         delta=delta,
                         candidate_ids=candidates,
@@ -368,9 +369,8 @@ class SessionRun:
             if link.worker is None:
                 continue
             link.worker.sessions.discard(self.session_id)
-            try:
+            # NOT_FOUND there already, or the worker is gone: nothing to free either way
+            with contextlib.suppress(grpc.aio.AioRpcError):
                 await link.worker.stub.Release(
                     common_pb2.ReleaseRequest(session_id=self.session_id), timeout=2.0
                 )
-            except grpc.aio.AioRpcError:
-                pass  # unknown there already, or the worker is gone: nothing to free

@@ -7,6 +7,7 @@ group; `stop()` terminates all of them (then kills stragglers), also after a fai
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import subprocess
@@ -71,10 +72,8 @@ class Child:
 
     def signal(self, sig: int) -> None:
         if self.alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                pass
 
 
 class Stack:
