@@ -47,11 +47,20 @@ def test_sync_keeps_only_the_common_prefix(runtime):
     session.sync([1, 2, 3, 4, 5])
     runtime.forward([session], [session.pending()])
     assert session.sync([1, 2, 9, 4]) == 2  # KV of the diverging suffix is dropped
-    assert session.sync([1, 2]) == 1  # the last token is always fed again
-    session.sync([1, 2, 9, 4])
     assert session.pending() == [9, 4]
     logits = runtime.forward([session], [session.pending() + [7]])[0]
     assert torch.allclose(logits, fresh_logits(runtime, [1, 2, 9, 4, 7])[-3:], atol=ATOL)
+
+
+def test_sync_always_feeds_the_last_token_again(runtime):
+    """A history fully covered by KV still yields logits: its last token is recomputed."""
+    session = KVSession("s")
+    session.sync([1, 2, 3])
+    runtime.forward([session], [session.pending() + [4]])
+    assert session.kv_len == 4
+    assert session.sync([1, 2, 3, 4]) == 3 and session.pending() == [4]
+    logits = runtime.forward([session], [session.pending()])[0]
+    assert torch.allclose(logits, fresh_logits(runtime, [1, 2, 3, 4])[-1:], atol=ATOL)
 
 
 def test_batched_forward_equals_one_at_a_time(runtime):
