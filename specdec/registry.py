@@ -4,6 +4,7 @@ coordinator lists them. Key: specdec:worker:<role>:<address> → JSON WorkerInfo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -42,21 +43,29 @@ class Registration:
 
     async def _loop(self) -> None:
         while True:
+            await asyncio.sleep(self.heartbeat_s)
             try:
                 await self.beat()
             except Exception as exc:  # noqa: BLE001 - Redis down: keep serving, retry
                 log.warning("registry heartbeat failed: %s", exc)
-            await asyncio.sleep(self.heartbeat_s)
 
     async def start(self) -> None:
-        await self.beat()
+        """First heartbeat now (a Redis outage only delays registration), then periodically."""
+        try:
+            await self.beat()
+        except Exception as exc:  # noqa: BLE001 - keep serving; the loop retries
+            log.warning("registry unreachable at start-up, will retry: %s", exc)
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task  # no heartbeat write may land after the delete
         try:
             await self.redis.delete(self.key)
+        except Exception as exc:  # noqa: BLE001 - the entry then expires by its TTL
+            log.warning("registry delete failed: %s", exc)
         finally:
             await self.redis.aclose()
 
