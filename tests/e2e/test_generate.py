@@ -263,3 +263,29 @@ def sample(text: str, name: str, **labels) -> float | None:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     return None
+
+
+def test_max_sessions_gives_resource_exhausted(stack):
+    """A coordinator at --max-sessions refuses a new session; the running one is unharmed."""
+    from specdec.redis_embedded import free_port
+    from specdec.v1 import coordinator_pb2_grpc
+
+    port = free_port()
+    child = stack.add_coordinator(port, name="coordinator-limited", extra=["--max-sessions", "1"])
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    limited = coordinator_pb2_grpc.CoordinatorStub(channel)
+    try:
+        running = limited.GenerateStream(
+            request(gamma=2, max_new_tokens=300, session_id="holds-the-slot"), timeout=60
+        )
+        first = next(running)
+        with pytest.raises(grpc.RpcError) as info:
+            limited.Generate(request(gamma=2, max_new_tokens=4), timeout=10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max-sessions" in info.value.details()
+        tokens = list(first.token_ids) + [t for chunk in running for t in chunk.token_ids]
+        assert len(tokens) == 300
+    finally:
+        channel.close()
+        child.signal(15)
+        child.process.wait(timeout=20)
