@@ -13,6 +13,7 @@ import uuid
 from coordinator.loop import SessionRun
 from coordinator.pool import WorkerPool
 from coordinator.store import SessionRecord, SessionStore
+from specdec.client import merge_chunk
 from specdec.detok import FinishReason, OutputStream
 from specdec.errors import Exhausted, InvalidArgument, NotFound, Unavailable
 from specdec.grpc_util import rpc
@@ -293,12 +294,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(self, request, context):
         response = coordinator_pb2.GenerateResponse()
         async for chunk in self._chunks(request, context):
-            response.session_id = chunk.session_id
-            response.token_ids.extend(chunk.token_ids)
-            response.text += chunk.text
-            if chunk.finish_reason:
-                response.finish_reason = chunk.finish_reason
-                response.stats.CopyFrom(chunk.stats)
+            merge_chunk(response, chunk)
         return response
 
     @rpc

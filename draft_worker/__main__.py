@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 from dataclasses import dataclass
 
-from specdec.kv import KVSession
 from specdec.runtime import ModelRuntime, RuntimeSettings
-from specdec.serve import serve_worker, setup_logging
-from specdec.settings import add_flags, from_args, opt
+from specdec.serve import worker_main
+from specdec.settings import opt
 from specdec.v1 import draft_pb2_grpc
 
 
@@ -59,34 +56,17 @@ def build(settings: DraftSettings):
     return DraftService(proposer, settings, address="")
 
 
-async def main_async(settings: DraftSettings) -> None:
-    service = build(settings)
-
-    async def warmup():
-        runtime = getattr(service.proposer, "runtime", None)
-        if runtime is not None:
-            session = KVSession("__warmup__")
-            session.sync([0, 0, 0, 0])
-            await asyncio.get_running_loop().run_in_executor(
-                service.batcher.executor, runtime.forward, [session], [session.pending()]
-            )
-
-    await serve_worker(
-        settings,
+def main(argv: list[str] | None = None) -> None:
+    worker_main(
+        argv,
+        "specdec draft-worker",
+        __doc__,
+        DraftSettings,
+        build,
         "draft",
-        service,
         draft_pb2_grpc.add_DraftWorkerServicer_to_server,
         "specdec.v1.DraftWorker",
-        warmup,
     )
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="specdec draft-worker", description=__doc__)
-    add_flags(parser, DraftSettings)
-    settings = from_args(DraftSettings, parser.parse_args(argv))
-    setup_logging(settings.log_level)
-    asyncio.run(main_async(settings))
 
 
 if __name__ == "__main__":

@@ -63,11 +63,12 @@ def build_request(
 def merge(chunks) -> coordinator_pb2.GenerateResponse:
     response = coordinator_pb2.GenerateResponse()
     for chunk in chunks:
-        _merge_chunk(response, chunk)
+        merge_chunk(response, chunk)
     return response
 
 
-def _merge_chunk(response, chunk) -> None:
+def merge_chunk(response, chunk) -> None:
+    """Fold one GenerateChunk into a GenerateResponse."""
     response.session_id = chunk.session_id
     response.token_ids.extend(chunk.token_ids)
     response.text += chunk.text
@@ -218,5 +219,5 @@ class AsyncClient:
     async def generate(self, prompt, **kwargs) -> coordinator_pb2.GenerateResponse:
         response = coordinator_pb2.GenerateResponse()
         async for chunk in self.stream(prompt, **kwargs):
-            _merge_chunk(response, chunk)
+            merge_chunk(response, chunk)
         return response

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
@@ -72,3 +73,37 @@ def _info_dict(info) -> dict:
     from google.protobuf.json_format import MessageToDict
 
     return MessageToDict(info, preserving_proto_field_name=True)
+
+
+async def warm_up(service) -> None:
+    """One real forward pass of the worker's model (none for a model-free proposer)."""
+    from specdec.kv import KVSession
+
+    runtime = getattr(service.model, "runtime", service.model)
+    if not hasattr(runtime, "forward"):
+        return
+    session = KVSession("__warmup__")
+    session.sync([0, 0, 0, 0])
+    await asyncio.get_running_loop().run_in_executor(
+        service.batcher.executor, runtime.forward, [session], [session.pending()]
+    )
+
+
+def worker_main(
+    argv, prog: str, doc: str, settings_cls, build, role: str, add_to_server, service_name: str
+) -> None:
+    """Entry point of a worker process: flags (and SPECDEC_* env), logging, serve until SIGTERM."""
+    from specdec.settings import add_flags, from_args
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
+    add_flags(parser, settings_cls)
+    settings = from_args(settings_cls, parser.parse_args(argv))
+    setup_logging(settings.log_level)
+
+    async def run() -> None:
+        service = build(settings)
+        await serve_worker(
+            settings, role, service, add_to_server, service_name, lambda: warm_up(service)
+        )
+
+    asyncio.run(run())

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 from dataclasses import dataclass
 
-from specdec.kv import KVSession
 from specdec.runtime import ModelRuntime, RuntimeSettings
-from specdec.serve import serve_worker, setup_logging
-from specdec.settings import add_flags, from_args, opt
+from specdec.serve import worker_main
+from specdec.settings import opt
 from specdec.v1 import target_pb2_grpc
 
 
@@ -50,32 +47,17 @@ def build(settings: TargetSettings):
     return TargetService(TargetEngine(runtime), settings, address="")
 
 
-async def main_async(settings: TargetSettings) -> None:
-    service = build(settings)
-
-    async def warmup():
-        session = KVSession("__warmup__")
-        session.sync([0, 0, 0, 0])
-        await asyncio.get_running_loop().run_in_executor(
-            service.batcher.executor, service.engine.runtime.forward, [session], [session.pending()]
-        )
-
-    await serve_worker(
-        settings,
+def main(argv: list[str] | None = None) -> None:
+    worker_main(
+        argv,
+        "specdec target-worker",
+        __doc__,
+        TargetSettings,
+        build,
         "target",
-        service,
         target_pb2_grpc.add_TargetWorkerServicer_to_server,
         "specdec.v1.TargetWorker",
-        warmup,
     )
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="specdec target-worker", description=__doc__)
-    add_flags(parser, TargetSettings)
-    settings = from_args(TargetSettings, parser.parse_args(argv))
-    setup_logging(settings.log_level)
-    asyncio.run(main_async(settings))
 
 
 if __name__ == "__main__":

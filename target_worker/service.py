@@ -7,60 +7,34 @@ import time
 from specdec.errors import InvalidArgument
 from specdec.grpc_util import rpc
 from specdec.proposal import validate_sparse
-from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specdec.worker import Batcher, SessionTable, check_tokens, sampling_from_proto
+from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.worker import Batcher, SessionTable, WorkerService, check_tokens, sampling_from_proto
 from target_worker.engine import PrefillItem, TargetEngine, VerifyItem
 
 
-class TargetService(target_pb2_grpc.TargetWorkerServicer):
+class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
+    role = "target"
+
     def __init__(self, engine: TargetEngine, settings, address: str):
-        self.engine = engine
-        self.settings = settings
-        self.address = address
         runtime = engine.runtime
-        self.table = SessionTable(
-            settings.max_sessions, settings.max_kv_mb << 20, runtime.vocab_size, runtime.max_context
+        super().__init__(
+            runtime,
+            settings,
+            SessionTable(
+                settings.max_sessions,
+                settings.max_kv_mb << 20,
+                runtime.vocab_size,
+                runtime.max_context,
+            ),
+            Batcher(
+                engine.process,
+                settings.max_batch_size,
+                settings.max_batch_tokens,
+                settings.max_wait_ms,
+            ),
+            address,
         )
-        self.batcher = Batcher(
-            engine.process, settings.max_batch_size, settings.max_batch_tokens, settings.max_wait_ms
-        )
-
-    def info(self) -> common_pb2.WorkerInfo:
-        runtime = self.engine.runtime
-        return common_pb2.WorkerInfo(
-            role="target",
-            model_name=runtime.model_name,
-            vocab_size=runtime.vocab_size,
-            vocab_fingerprint=runtime.vocab_fingerprint,
-            max_context=runtime.max_context,
-            max_sessions=self.settings.max_sessions,
-            max_speculative_tokens=self.settings.max_speculative_tokens,
-            device=str(runtime.device),
-            threads=self.settings.threads,
-            active_sessions=len(self.table),
-            address=self.address,
-            eos_token_ids=runtime.eos_token_ids,
-        )
-
-    metrics = None  # specdec.telemetry.WorkerMetrics, set by serve_worker
-
-    def record_call(self, method: str, code: str) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_call(method, code)
-            if code == "FAILED_PRECONDITION":
-                self.metrics.resyncs.add(1, self.metrics.attrs)
-
-    def record_batch(self, queue_ns: int, forward_ns: int, batch: int, tokens: int) -> None:
-        if self.metrics is not None:
-            m = self.metrics
-            m.batch_size.record(batch, m.attrs)
-            m.forward_seconds.record(forward_ns / 1e9, m.attrs)
-            m.queue_seconds.record(queue_ns / 1e9, m.attrs)
-            m.tokens.add(tokens, m.attrs)
-
-    def load(self) -> float:
-        """In-flight calls per batch slot, for least-load placement."""
-        return self.batcher.in_flight / max(1, self.settings.max_batch_size)
+        self.engine = engine
 
     @rpc
     async def Verify(self, request, context):
@@ -131,13 +105,3 @@ class TargetService(target_pb2_grpc.TargetWorkerServicer):
         return target_pb2.PrefillResponse(
             kv_len=session.kv_len, forward_ns=time.perf_counter_ns() - start
         )
-
-    @rpc
-    async def Release(self, request, context):
-        async with self.table.hold(request.session_id):
-            released = self.table.release(request.session_id)
-        return common_pb2.ReleaseResponse(released_tokens=released)
-
-    @rpc
-    async def Info(self, request, context):
-        return self.info()
