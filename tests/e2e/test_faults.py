@@ -26,7 +26,11 @@ def stack2(model_dirs):
     each leaves what the next needs: disconnect, target dies, coordinator A dies, drafts die.
     """
     settings = StackSettings(
-        model_dirs["target"], model_dirs["draft"], port=free_port(), draft_workers=2, target_workers=2,
+        model_dirs["target"],
+        model_dirs["draft"],
+        port=free_port(),
+        draft_workers=2,
+        target_workers=2,
         coordinator_args=["--lease-s", "1.0", "--draft-timeout-s", "2", "--worker-timeout-s", "20"],
     )
     with Stack(settings) as running:
@@ -42,7 +46,9 @@ def live_address(stack) -> str:
 
 def reference(stack, **kwargs) -> list[int]:
     with Client(live_address(stack), timeout_s=120) as client:
-        return list(client.generate("def add(a, b):", max_new_tokens=N, ignore_eos=True, **kwargs).token_ids)
+        return list(
+            client.generate("def add(a, b):", max_new_tokens=N, ignore_eos=True, **kwargs).token_ids
+        )
 
 
 def stream_and_kill(stack, kill, addresses=None, after_tokens=20, **kwargs):
@@ -64,7 +70,8 @@ def test_client_disconnect_stops_the_session(stack2):
     channel = grpc.insecure_channel(live_address(stack2))
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     request = coordinator_pb2.GenerateRequest(
-        prompt="x", session_id="walks-away",
+        prompt="x",
+        session_id="walks-away",
         sampling=common_pb2.SamplingParams(max_new_tokens=4000, ignore_eos=True),
     )
     call = stub.GenerateStream(request, timeout=60)
@@ -72,7 +79,9 @@ def test_client_disconnect_stops_the_session(stack2):
     call.cancel()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        info = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="walks-away"), timeout=5)
+        info = stub.GetSession(
+            coordinator_pb2.GetSessionRequest(session_id="walks-away"), timeout=5
+        )
         if info.status == coordinator_pb2.SESSION_STATUS_FINISHED:
             break
         time.sleep(0.1)
@@ -93,7 +102,9 @@ def test_target_worker_dies(stack2):
         index = stack2.target_addresses.index(info.target_worker)
         stack2.child(f"target-worker-{index}").signal(signal.SIGKILL)
 
-    tokens, last = stream_and_kill(stack2, kill, temperature=0.8, seed=77, num_speculative_tokens=2, session_id=session)
+    tokens, last = stream_and_kill(
+        stack2, kill, temperature=0.8, seed=77, num_speculative_tokens=2, session_id=session
+    )
     channel.close()
     assert tokens == expected  # same seed, same γ: the replacement reproduces the run exactly
     assert last.stats.target_failovers >= 1
@@ -105,8 +116,13 @@ def test_coordinator_dies_and_another_resumes(stack2):
     addresses = [stack2.address, f"127.0.0.1:{stack2.second_port}"]
     started = time.monotonic()
     tokens, last = stream_and_kill(
-        stack2, lambda: first.signal(signal.SIGKILL), addresses=addresses,
-        temperature=0.7, seed=5, num_speculative_tokens=3, session_id="coordinator-dies",
+        stack2,
+        lambda: first.signal(signal.SIGKILL),
+        addresses=addresses,
+        temperature=0.7,
+        seed=5,
+        num_speculative_tokens=3,
+        session_id="coordinator-dies",
     )
     assert tokens == expected  # no token lost or repeated, same text as an uninterrupted run
     assert last.stats.takeovers >= 1
@@ -114,7 +130,8 @@ def test_coordinator_dies_and_another_resumes(stack2):
 
 
 def test_draft_worker_dies(stack2):
-    """First the session's draft dies (it moves to the other one), then the last one (target-only)."""
+    """First the session's draft stalls (it moves to the other one), then the last one dies
+    (it continues target-only)."""
     address = live_address(stack2)
     expected = reference(stack2, temperature=0.0, num_speculative_tokens=3)
     channel = grpc.insecure_channel(address)
@@ -122,20 +139,31 @@ def test_draft_worker_dies(stack2):
     killed = []
 
     def kill_serving(session):
+        """The first draft only stalls (SIGSTOP: past --draft-timeout-s), the second dies."""
         info = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id=session), timeout=5)
         index = stack2.draft_addresses.index(info.draft_worker)
-        stack2.child(f"draft-worker-{index}").signal(signal.SIGKILL)
+        stack2.child(f"draft-worker-{index}").signal(
+            signal.SIGSTOP if not killed else signal.SIGKILL
+        )
         killed.append(info.draft_worker)
 
     for session in ("draft-dies-1", "draft-dies-2"):
         tokens, last = stream_and_kill(
-            stack2, lambda s=session: kill_serving(s), temperature=0.0, num_speculative_tokens=3, session_id=session
+            stack2,
+            lambda s=session: kill_serving(s),
+            temperature=0.0,
+            num_speculative_tokens=3,
+            session_id=session,
         )
         assert tokens == expected
         assert last.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
         assert last.stats.draft_failovers >= 1
     first = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="draft-dies-1"), timeout=5)
     assert first.draft_worker not in ("", killed[0])  # moved to the other draft worker
-    second = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="draft-dies-2"), timeout=5)
+    second = stub.GetSession(
+        coordinator_pb2.GetSessionRequest(session_id="draft-dies-2"), timeout=5
+    )
     assert second.draft_worker == ""  # none left: finished target-only
     channel.close()
+    for child in stack2.children:
+        child.signal(signal.SIGCONT)  # let the stalled one shut down with the stack
