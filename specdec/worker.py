@@ -172,7 +172,9 @@ class Batcher:
     """Collects concurrent requests into batches run by ONE model thread.
 
     A batch closes when it holds max_batch_size items or max_batch_tokens tokens, or
-    max_wait_ms after its first item arrived. `process(items)` runs in the model thread and
+    max_wait_ms after its first item arrived, or as soon as it holds every session that was
+    active in the last second (so a lone session never waits). Items that arrive while the
+    model is busy form the next batch. `process(items)` runs in the model thread and
     returns one result per item (an Exception instance fails only that item).
     """
 
@@ -192,6 +194,7 @@ class Batcher:
         self.in_flight = 0
         self._task: asyncio.Task | None = None
         self._carry: _Pending | None = None
+        self._recent: dict[object, float] = {}  # session → last submit (monotonic seconds)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -201,8 +204,17 @@ class Batcher:
             self._task.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
+    def _active_sessions(self) -> int:
+        """Sessions that submitted within the last second: how big a batch is worth waiting for."""
+        horizon = time.monotonic() - 1.0
+        for key in [k for k, seen in self._recent.items() if seen < horizon]:
+            del self._recent[key]
+        return max(1, len(self._recent))
+
     async def submit(self, item, tokens: int):
         """Queue one item; returns (result, queue_ns, forward_ns, batch_size)."""
+        session = getattr(item, "session", None)
+        self._recent[getattr(session, "session_id", id(item))] = time.monotonic()
         future = asyncio.get_running_loop().create_future()
         self.in_flight += 1
         try:
@@ -216,13 +228,14 @@ class Batcher:
         self._carry = None
         batch, tokens = [first], first.tokens
         deadline = time.perf_counter() + self.max_wait_s
+        expected = self._active_sessions()
         while len(batch) < self.max_batch_size:
             try:
                 nxt = self.queue.get_nowait()
             except asyncio.QueueEmpty:
                 remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    break
+                if remaining <= 0 or len(batch) >= expected:
+                    break  # nobody else is likely to come: do not make this batch wait
                 try:
                     nxt = await asyncio.wait_for(self.queue.get(), remaining)
                 except asyncio.TimeoutError:
