@@ -12,7 +12,7 @@ import uuid
 
 from coordinator.loop import SessionRun
 from coordinator.pool import WorkerPool
-from coordinator.store import SessionRecord, SessionStore
+from coordinator.store import LostSession, SessionRecord, SessionStore
 from specdec.client import merge_chunk
 from specdec.detok import FinishReason, OutputStream
 from specdec.errors import Exhausted, InvalidArgument, NotFound, Unavailable
@@ -219,10 +219,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     yield session_id, offset, [], run.finish_reason, run.stats_dict()
                     return
                 if run.error is not None and run.finish_reason is None:
-                    if isinstance(run.error, (InvalidArgument, Unavailable)):
-                        raise run.error
-                    run = await self._open(request)  # lost the lease: follow or resume
-                    continue
+                    if isinstance(run.error, LostSession):
+                        run = await self._open(request)  # another coordinator has it: follow
+                        continue
+                    if isinstance(run.error, asyncio.CancelledError):
+                        raise Unavailable("the coordinator is shutting down; resume elsewhere")
+                    raise run.error
                 await run.changed.wait()
                 continue
             record = await self.store.load(session_id)
