@@ -50,6 +50,9 @@ class CoordinatorSettings:
         30.0, "deadline of a Verify call and of finding another target worker"
     )
     draft_timeout_s: float = opt(5.0, "deadline of a Propose call; past it the session fails over")
+    prefill_threshold: int = opt(
+        256, "a target that lacks more committed tokens than this gets a chunked Prefill first"
+    )
     coordinator_id: str = opt("", "owner id in session leases (default: random)")
     grace_s: float = opt(10.0, "on SIGTERM, how long in-flight streams may finish")
     metrics_port: int = opt(0, "Prometheus metrics port (0 = off)")

@@ -219,6 +219,7 @@ class SessionRun:
                 continue
             remaining = self.max_new_tokens - len(self.generated)
             try:
+                await self._prefill_if_long()
                 return await self._call(
                     self.target,
                     "Verify",
@@ -252,6 +253,18 @@ class SessionRun:
                     raise Unavailable(
                         f"target worker {address} failed and no other answered in time"
                     ) from exc
+
+    async def _prefill_if_long(self) -> None:
+        """Send a long missing prefix as a chunked Prefill, so it does not stall a batch."""
+        missing = len(self.committed) - self.target.synced
+        if missing > self.settings.prefill_threshold:
+            await self._call(
+                self.target,
+                "Prefill",
+                lambda base, delta: target_pb2.PrefillRequest(base=base, delta=delta),
+                self.settings.worker_timeout_s,
+            )
+            self.target.synced = len(self.committed)
 
     # --- the loop -------------------------------------------------------------------
 

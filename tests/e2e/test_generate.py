@@ -289,3 +289,22 @@ def test_max_sessions_gives_resource_exhausted(stack):
         channel.close()
         child.signal(15)
         child.process.wait(timeout=20)
+
+
+def test_long_prompt_goes_through_chunked_prefill(stub, hf):
+    """A prompt above --prefill-threshold is prefilled in chunks first; output stays exact."""
+    model, tokenizer = hf
+    prompt = torch.randint(
+        1, len(tokenizer), (300,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    req = coordinator_pb2.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_new_tokens=16, ignore_eos=True),
+    )
+    req.speculation.num_speculative_tokens = 3
+    response = stub.Generate(req, timeout=60)
+    ids = torch.tensor([prompt])
+    expected = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
+    )
+    assert list(response.token_ids) == expected[0, len(prompt) :].tolist()
