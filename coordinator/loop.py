@@ -18,6 +18,7 @@ from specdec.detok import FinishReason, OutputStream
 from specdec.errors import Unavailable
 from specdec.kv import fingerprint
 from specdec.policy import AdaptiveGamma
+from specdec.telemetry import tracer
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
@@ -297,6 +298,12 @@ class SessionRun:
             await self.release_workers()
 
     async def round(self) -> None:
+        with tracer().start_as_current_span(
+            "specdec.round", attributes={"session_id": self.session_id, "epoch": self.epoch}
+        ):
+            await self._round()
+
+    async def _round(self) -> None:
         t0 = time.perf_counter()
         if self.draft.worker is None and self.c.drafts.alive() and self.record.gamma != 0:
             await self._attach("draft", exclude=set())

@@ -36,6 +36,12 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
     return None
 
 
+def _tracer():
+    from opentelemetry import trace
+
+    return trace.get_tracer("specdec")
+
+
 def _record(service, name: str, code: grpc.StatusCode) -> None:
     hook = getattr(service, "record_call", None)
     if hook is not None:
@@ -71,7 +77,8 @@ def rpc(method):
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
         try:
-            response = await method(self, request, context)
+            with _tracer().start_as_current_span(f"{type(self).__name__}.{method.__name__}"):
+                response = await method(self, request, context)
             _record(self, method.__name__, grpc.StatusCode.OK)
             return response
         except grpc.aio.AbortError:
