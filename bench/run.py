@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench import metrics
+from bench.interference import CpuWatch
 from bench.prompts import heldout_prompts
 
 MODES = (
@@ -102,8 +103,14 @@ def progress_line(i: int, total: int, row: dict, seconds: float) -> str:
         f"[{i:>2}/{total}] {LABELS[row['contender']]:<26} {row['mode']:<8} conc {row['concurrency']:>2}  "
         f"{row['tokens_per_s']:7.1f} tok/s  {row['tokens_per_s_per_request']:6.1f}/req  "
         f"TPOT p50 {row['tpot_ms_p50']:6.1f} ms  TTFT p50 {row['ttft_ms_p50']:7.1f} ms  "
-        f"accept {'  n/a' if acc is None else f'{acc:.2f}'}  ({seconds:.0f} s)"
+        f"accept {'  n/a' if acc is None else f'{acc:.2f}'}  ({seconds:.0f} s, "
+        f"other processes {other_cpu(row)})"
     )
+
+
+def other_cpu(row: dict) -> str:
+    share = row.get("other_cpu")
+    return "n/a" if share is None else f"{100 * share:.0f}% CPU"
 
 
 def strip(records: list[dict]) -> list[dict]:
@@ -153,7 +160,7 @@ def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
         for mode in MODES:
             for concurrency in args.concurrency:
                 for name, gamma in SPECDEC:
-                    started = time.monotonic()
+                    started, watch = time.monotonic(), CpuWatch()
                     run = run_load_sync(
                         stack.address,
                         prompts,
@@ -166,6 +173,7 @@ def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
                     if stack.dead_children():
                         raise RuntimeError(f"{stack.dead_children()[0].name} died during the run")
                     row = make_row(name, mode["name"], concurrency, run["requests"], run["wall_s"])
+                    row["other_cpu"] = watch.others()
                     row["acceptance"] = metrics.acceptance(run["requests"])
                     row.update(
                         {
@@ -240,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log("measuring per-token costs in-process (1 thread): target step, draft step, verify(γ+1)")
     context = [t for p in prompts for t in p][: 64 + args.max_new_tokens // 2]
+    watch = CpuWatch()
     costs = subprocess_job(
         {
             "job": "costs",
@@ -253,13 +262,15 @@ def main(argv: list[str] | None = None) -> int:
         },
         timeout_s=args.timeout_s,
     )
+    costs["other_cpu"] = watch.others()
     v_text = ", ".join(f"v({g})={x:.2f}" for g, x in costs["v"].items())
     log(
         f"  target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
-        f"c={costs['c']:.3f}; {v_text}"
+        f"c={costs['c']:.3f}; {v_text} (other processes {other_cpu(costs)})"
     )
 
     log(f"HF peers in a subprocess ({args.threads} threads), one request at a time")
+    watch = CpuWatch()
     hf = subprocess_job(
         {
             "job": "hf",
@@ -273,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         timeout_s=args.timeout_s * 4,
     )
+    hf_other_cpu = watch.others()
     rows: list[dict] = []
     raw: list[dict] = []
     for mode in MODES:
@@ -281,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured = hf["peers"][mode["name"]][peer]["requests"]
                 queued, wall = metrics.sequential_service(measured, concurrency)
                 row = make_row(peer, mode["name"], concurrency, queued, wall)
+                row["other_cpu"] = hf_other_cpu
                 forwards = sum(r["target_forwards"] for r in measured)
                 tokens = sum(r["generated_tokens"] for r in measured)
                 row["acceptance_rate"] = None

@@ -11,6 +11,11 @@ def fmt(x, digits: int = 1, suffix: str = "") -> str:
     return f"{x:.{digits}f}{suffix}"
 
 
+def share(row: dict) -> float | None:
+    x = row.get("other_cpu")
+    return None if x is None else 100.0 * x
+
+
 def per_position(rates: list[float]) -> str:
     return " ".join(f"{r:.2f}".lstrip("0") for r in rates) if rates else "n/a"
 
@@ -39,7 +44,11 @@ def header(result: dict) -> list[str]:
         f"({meta['hf_assistant_defaults']}).",
         f"- Per-token costs in-process (1 thread, KV cache of {costs['context_tokens']} tokens): "
         f"target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
-        f"c = {costs['c']:.3f}; {v}.",
+        f"c = {costs['c']:.3f}; {v}. Other processes used {fmt(share(costs), 0, '%')} of the "
+        "machine meanwhile.",
+        "- Other processes' CPU (last column): the share of all cores used by processes outside "
+        "this benchmark while that configuration ran (for the HF peers: over their whole "
+        "subprocess). The machine is shared; well above 0% means the row was disturbed.",
         "",
     ]
 
@@ -57,8 +66,8 @@ def results_table(result: dict) -> list[str]:
         "",
         "| mode | conc | contender | tok/s aggregate | tok/s per request | TPOT p50 ms | TPOT p95 ms "
         "| TTFT p50 ms | TTFT p95 ms | acceptance rate | mean acceptance length | acceptance per position "
-        "| × HF target | × HF assisted |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| × HF target | × HF assisted | other processes' CPU |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in result["rows"]:
         rates = r.get("acceptance", {}).get("accepted_per_position", [])
@@ -67,7 +76,8 @@ def results_table(result: dict) -> list[str]:
             f"| {fmt(r['tokens_per_s_per_request'])} | {fmt(r['tpot_ms_p50'])} | {fmt(r['tpot_ms_p95'])} "
             f"| {fmt(r['ttft_ms_p50'], 0)} | {fmt(r['ttft_ms_p95'], 0)} | {fmt(r.get('acceptance_rate'), 2)} "
             f"| {fmt(r.get('mean_acceptance_length'), 2)} | {per_position(rates)} "
-            f"| {fmt(r['speedup_vs_hf_target'], 2, '×')} | {fmt(r['speedup_vs_hf_assisted'], 2, '×')} |"
+            f"| {fmt(r['speedup_vs_hf_target'], 2, '×')} | {fmt(r['speedup_vs_hf_assisted'], 2, '×')} "
+            f"| {fmt(share(r), 0, '%')} |"
         )
     return lines + [""]
 
