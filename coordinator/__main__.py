@@ -71,9 +71,10 @@ async def main_async(settings: CoordinatorSettings) -> None:
     redis = aioredis.from_url(redis_url)
     from specdec import telemetry
 
-    telemetry.setup("specdec-coordinator", settings.metrics_port)
+    telemetry.setup("specdec-coordinator", settings.metrics_port, settings.host)
     service = CoordinatorService(settings, load_tokenizer(settings.tokenizer), redis)
-    service.metrics = telemetry.CoordinatorMetrics(lambda: len(service.runs))
+    if settings.metrics_port > 0:
+        service.metrics = telemetry.CoordinatorMetrics(lambda: len(service.runs))
     server = Server(["specdec.v1.Coordinator"])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server.server)
     port = server.bind(settings.host, settings.port)

@@ -18,7 +18,7 @@ from specdec.detok import FinishReason, OutputStream
 from specdec.errors import Unavailable
 from specdec.kv import fingerprint
 from specdec.policy import AdaptiveGamma
-from specdec.telemetry import tracer
+from specdec.telemetry import span
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
@@ -298,9 +298,7 @@ class SessionRun:
             await self.release_workers()
 
     async def round(self) -> None:
-        with tracer().start_as_current_span(
-            "specdec.round", attributes={"session_id": self.session_id, "epoch": self.epoch}
-        ):
+        with span("specdec.round", session_id=self.session_id, epoch=self.epoch):
             await self._round()
 
     async def _round(self) -> None:

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec import errors
+from specdec import errors, telemetry
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,6 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
     if isinstance(exc, asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
     return None
-
-
-def _tracer():
-    from opentelemetry import trace
-
-    return trace.get_tracer("specdec")
 
 
 def _record(service, name: str, code: grpc.StatusCode) -> None:
@@ -77,7 +71,7 @@ def rpc(method):
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
         try:
-            with _tracer().start_as_current_span(f"{type(self).__name__}.{method.__name__}"):
+            with telemetry.span(f"{type(self).__name__}.{method.__name__}"):
                 response = await method(self, request, context)
             _record(self, method.__name__, grpc.StatusCode.OK)
             return response

@@ -39,6 +39,7 @@ class KVSession:
         self.kv_len = 0  # tokens[:kv_len] have KV computed
         self.keys: list[torch.Tensor] = []  # per layer [heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
+        self._nbytes = 0
 
     @property
     def capacity(self) -> int:
@@ -46,7 +47,8 @@ class KVSession:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        """Bytes of the KV buffers (their capacity, not just kv_len)."""
+        return self._nbytes
 
     def sync(self, history: Sequence[int]) -> int:
         """Adopt `history` as the session's tokens, keeping KV of the common prefix only.
@@ -73,6 +75,11 @@ class KVSession:
         """Views of the computed KV of one layer: [heads, kv_len, head_dim] each."""
         return self.keys[layer][:, : self.kv_len], self.values[layer][:, : self.kv_len]
 
+    def reserve(self, length: int) -> None:
+        """Make room for KV up to `length` tokens (buffers grow by doubling)."""
+        if length > self.capacity:
+            self._grow(max(length, 2 * self.capacity, 64), self.keys)
+
     def append_kv(self, new_keys: list[torch.Tensor], new_values: list[torch.Tensor]) -> None:
         """Append KV [heads, n, head_dim] per layer after kv_len (buffers grow by doubling)."""
         n = new_keys[0].shape[1]
@@ -96,3 +103,4 @@ class KVSession:
             grown_k.append(k)
             grown_v.append(v)
         self.keys, self.values = grown_k, grown_v
+        self._nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -16,10 +16,34 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from specdec.kv import KVSession
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class BufferLayer(DynamicLayer):
+    """A cache layer over preallocated K/V buffers [B, heads, capacity, dim]: the model's new
+    K/V are written in place after `length` (no concatenation, no copy of the prefix)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.key_buffer, self.value_buffer, self.length = keys, values, length
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
 
 
 @dataclass(frozen=True)
@@ -111,45 +135,66 @@ class ModelRuntime:
             input_ids[i, : lengths[i]] = torch.tensor(tokens)
             attention[i, max_cached - cached[i] : max_cached + lengths[i]] = 1
             positions[i] = cached[i] + torch.arange(max_new)
-        cache = self._padded_cache(sessions, max_cached)
+        in_place = batch == 1 and cached[0] > 0  # a lone session: its own buffers are the cache
+        if in_place:
+            sessions[0].reserve(cached[0] + max_new)
+            cache = self._session_cache(sessions[0])
+        else:
+            cache = self._padded_cache(sessions, max_cached, max_new)
         out = self.model(
             input_ids=input_ids.to(self.device),
-            attention_mask=attention.to(self.device),
+            attention_mask=None if in_place else attention.to(self.device),
             position_ids=positions.to(self.device),
             past_key_values=cache,
             use_cache=True,
         )
         logits = out.logits.float()  # [B, max_new, vocab]
-        layers = out.past_key_values.layers
         results = []
         for i, session in enumerate(sessions):
-            new = slice(max_cached, max_cached + lengths[i])
-            session.append_kv(
-                [layer.keys[i, :, new] for layer in layers],
-                [layer.values[i, :, new] for layer in layers],
-            )
-            start = session.kv_len - lengths[i]
+            start = session.kv_len
+            if in_place:
+                session.kv_len += lengths[i]
+            else:
+                new = slice(max_cached, max_cached + lengths[i])
+                session.append_kv(
+                    [layer.keys[i, :, new] for layer in cache.layers],
+                    [layer.values[i, :, new] for layer in cache.layers],
+                )
             session.tokens[start : start + lengths[i]] = inputs[i]
             results.append(logits[i, : lengths[i]].cpu())
         return results
 
-    def _padded_cache(self, sessions: list[KVSession], max_cached: int) -> DynamicCache:
-        """A DynamicCache [B, heads, max_cached, dim] per layer, sessions left-padded."""
+    def _session_cache(self, session: KVSession) -> Cache:
+        """The session's own buffers as the cache of a batch of one."""
+        return Cache(
+            layers=[
+                BufferLayer(k[None], v[None], session.kv_len)
+                for k, v in zip(session.keys, session.values)
+            ]
+        )
+
+    def _padded_cache(self, sessions: list[KVSession], max_cached: int, max_new: int) -> Cache:
+        """Buffers [B, heads, max_cached + max_new, dim] per layer, cached KV left-padded."""
         if max_cached == 0:
             return DynamicCache(config=self.model.config)
-        layer_count = next(len(s.keys) for s in sessions if s.kv_len > 0)
-        data = []
-        for layer in range(layer_count):
-            template = next(s.keys[layer] for s in sessions if s.kv_len > 0)
-            heads, _, dim = template.shape
+        reference = next(s for s in sessions if s.kv_len > 0)
+        layers = []
+        for layer in range(len(reference.keys)):
+            heads, _, dim = reference.keys[layer].shape
+            template = reference.keys[layer]
             keys = torch.zeros(
-                len(sessions), heads, max_cached, dim, dtype=template.dtype, device=template.device
+                len(sessions),
+                heads,
+                max_cached + max_new,
+                dim,
+                dtype=template.dtype,
+                device=template.device,
             )
             values = torch.zeros_like(keys)
             for i, session in enumerate(sessions):
                 if session.kv_len:
                     k, v = session.kv(layer)
-                    keys[i, :, max_cached - session.kv_len :] = k
-                    values[i, :, max_cached - session.kv_len :] = v
-            data.append((keys, values))
-        return DynamicCache(ddp_cache_data=data, config=self.model.config)
+                    keys[i, :, max_cached - session.kv_len : max_cached] = k
+                    values[i, :, max_cached - session.kv_len : max_cached] = v
+            layers.append(BufferLayer(keys, values, max_cached))
+        return Cache(layers=layers)

@@ -29,14 +29,15 @@ async def serve_worker(
     """
     from specdec import telemetry
 
-    telemetry.setup(f"specdec-{role}-worker", settings.metrics_port)
-    service.metrics = telemetry.WorkerMetrics(
-        role,
-        lambda: len(service.table),
-        lambda: service.table.kv_bytes,
-        lambda: service.batcher.in_flight,
-        lambda: service.table.evictions,
-    )
+    telemetry.setup(f"specdec-{role}-worker", settings.metrics_port, settings.host)
+    if settings.metrics_port > 0:
+        service.metrics = telemetry.WorkerMetrics(
+            role,
+            lambda: len(service.table),
+            lambda: service.table.kv_bytes,
+            lambda: service.batcher.in_flight,
+            lambda: service.table.evictions,
+        )
     server = Server([service_name])
     add_to_server(service, server.server)
     port = server.bind(settings.host, settings.port)

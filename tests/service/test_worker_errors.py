@@ -256,11 +256,12 @@ def answer(role: str, worker, sid: str, history: list[int], start: int = 0) -> l
 def test_full_worker_is_resource_exhausted_only_while_every_session_is_busy(
     role, start_worker, model_dirs, draft, target
 ):
-    """max_sessions=1: while session a's call waits in a 1 s batch window it cannot be
-    evicted, so session b is refused; once a is idle, b evicts it (LRU) and a resyncs."""
-    worker = start_worker(role, model_dirs[role], max_sessions=1, max_wait_ms=1000.0)
+    """max_sessions=1: while session a's call waits for the (blocked) model thread it cannot
+    be evicted, so session b is refused; once a is idle, b evicts it (LRU) and a resyncs."""
+    worker = start_worker(role, model_dirs[role], max_sessions=1)
     reference = draft if role == "draft" else target
     prompt_a, prompt_b = [5, 6, 7, 8, 9], [9, 8, 7, 6]
+    worker.service.batcher.executor.submit(time.sleep, 1.0)  # keep the model thread busy
 
     answers = {}
     busy = threading.Thread(target=lambda: answers.update(a=answer(role, worker, "a", prompt_a)))
