@@ -12,6 +12,7 @@ Stages (each resumes from checkpoints under OUT/work/ when re-run after an inter
 Budgets are given in minutes but converted to a fixed number of STEPS with the throughput
 constants below (measured on the 2-core dev machine), so reruns do identical work.
 """
+
 import argparse
 import hashlib
 import json
@@ -33,10 +34,20 @@ VOCAB = 8192
 EOS = "<|endoftext|>"
 MAX_FILE_BYTES = 300_000  # skip a few huge generated files (e.g. pydoc_data/topics.py)
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-TARGET_CFG = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
-                  num_key_value_heads=6, intermediate_size=1024)
-DRAFT_CFG = dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=2, intermediate_size=384)
+TARGET_CFG = dict(
+    hidden_size=384,
+    num_hidden_layers=6,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    intermediate_size=1024,
+)
+DRAFT_CFG = dict(
+    hidden_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    intermediate_size=384,
+)
 # Nominal training throughput (tokens/s, 2 threads) that turns the minute budgets into a fixed
 # number of steps (defaults: target 50 min -> 732 steps, draft 10 min -> 352 steps of 8x256 tokens).
 # Real wall time depends on how busy the shared machine is.
@@ -96,16 +107,25 @@ def build_tokenizer_and_data(out, work):
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS], min_frequency=2,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                      show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=VOCAB,
+            special_tokens=[EOS],
+            min_frequency=2,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
         tok.train_from_iterator([t for _, t in train], trainer)
         tok.save(str(tok_path))
         log(f"tokenizer trained in {time.time() - t0:.0f}s on {len(train)} files")
     tok = Tokenizer.from_file(str(tok_path))
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS,
-                                 pad_token=EOS, clean_up_tokenization_spaces=False,
-                                 model_max_length=1024)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        bos_token=EOS,
+        pad_token=EOS,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1024,
+    )
     for name in ("target", "draft"):
         hf.save_pretrained(out / name)
     if data_path.exists():
@@ -119,11 +139,18 @@ def build_tokenizer_and_data(out, work):
         return [torch.tensor([eos] + e.ids, dtype=torch.int16) for e in enc]
 
     tr, he = encode(train), encode(held)
-    data = {"train": torch.cat(tr), "heldout": torch.cat(he), "heldout_docs": he, "eos": eos,
-            "chars": {"train": sum(len(t) for _, t in train), "heldout": sum(len(t) for _, t in held)},
-            "files": {"train": len(train), "heldout": len(held)}}
+    data = {
+        "train": torch.cat(tr),
+        "heldout": torch.cat(he),
+        "heldout_docs": he,
+        "eos": eos,
+        "chars": {"train": sum(len(t) for _, t in train), "heldout": sum(len(t) for _, t in held)},
+        "files": {"train": len(train), "heldout": len(held)},
+    }
     atomic_save(data, data_path)
-    log(f"data: {data['files']} files, {len(data['train'])} train / {len(data['heldout'])} held-out tokens")
+    log(
+        f"data: {data['files']} files, {len(data['train'])} train / {len(data['heldout'])} held-out tokens"
+    )
     return data
 
 
@@ -131,7 +158,7 @@ def get_batch(stream, step, salt):
     """Deterministic random 257-token windows: depends only on (step, salt)."""
     g = torch.Generator().manual_seed(SEED * 1_000_003 + salt * 7_919 + step)
     starts = torch.randint(0, len(stream) - SEQ - 1, (BATCH,), generator=g)
-    return torch.stack([stream[s:s + SEQ + 1] for s in starts.tolist()]).long()
+    return torch.stack([stream[s : s + SEQ + 1] for s in starts.tolist()]).long()
 
 
 # ----------------------------------------------------------------------------- models / training
@@ -139,8 +166,15 @@ def make_model(cfg, eos):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    conf = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=1024, tie_word_embeddings=True,
-                       bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **cfg)
+    conf = LlamaConfig(
+        vocab_size=VOCAB,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        **cfg,
+    )
     return LlamaForCausalLM(conf)
 
 
@@ -149,8 +183,11 @@ def train(name, model, steps, lr, loss_fn, stream, salt, work):
     ckpt = work / f"{name}.ckpt"
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
     step, elapsed = 0, 0.0
     if ckpt.exists():
         st = torch.load(ckpt)
@@ -162,7 +199,11 @@ def train(name, model, steps, lr, loss_fn, stream, salt, work):
     model.train()
     t0, ema = time.time() - elapsed, None
     while step < steps:
-        frac = step / warm if step < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+        frac = (
+            step / warm
+            if step < warm
+            else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+        )
         for gr in opt.param_groups:
             gr["lr"] = lr * frac
         loss = loss_fn(model, get_batch(stream, step, salt))
@@ -174,13 +215,28 @@ def train(name, model, steps, lr, loss_fn, stream, salt, work):
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 10 == 0 or step == steps:
             el = time.time() - t0
-            log(f"{name} step {step}/{steps} loss {ema:.3f} lr {lr * frac:.2e} "
-                f"{step * BATCH * SEQ / el:.0f} tok/s elapsed {el / 60:.1f} min")
+            log(
+                f"{name} step {step}/{steps} loss {ema:.3f} lr {lr * frac:.2e} "
+                f"{step * BATCH * SEQ / el:.0f} tok/s elapsed {el / 60:.1f} min"
+            )
         if step % 25 == 0 or step == steps:
-            atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                         "elapsed": time.time() - t0}, ckpt)
-    return {"steps": steps, "tokens": steps * BATCH * SEQ, "seconds": round(time.time() - t0, 1),
-            "batch": BATCH, "seq_len": SEQ, "peak_lr": lr}
+            atomic_save(
+                {
+                    "model": model.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step,
+                    "elapsed": time.time() - t0,
+                },
+                ckpt,
+            )
+    return {
+        "steps": steps,
+        "tokens": steps * BATCH * SEQ,
+        "seconds": round(time.time() - t0, 1),
+        "batch": BATCH,
+        "seq_len": SEQ,
+        "peak_lr": lr,
+    }
 
 
 def ce_loss(model, x):
@@ -206,7 +262,7 @@ def heldout_loss(model, stream, max_chunks=96):
     """Mean next-token CE over non-overlapping 257-token windows of the held-out stream."""
     n = min(max_chunks, (len(stream) - 1) // (SEQ + 1))
     x = stream[: n * (SEQ + 1)].long().view(n, SEQ + 1)
-    losses = [ce_loss(model, x[i:i + 8]).item() * len(x[i:i + 8]) for i in range(0, n, 8)]
+    losses = [ce_loss(model, x[i : i + 8]).item() * len(x[i : i + 8]) for i in range(0, n, 8)]
     return sum(losses) / n, n * SEQ
 
 
@@ -221,7 +277,9 @@ def latency(models, ctx, steps=300):
     for _ in range(steps):
         for n, m, k in models:
             c = caches[n]
-            c.crop(ctx.shape[1] - c.get_seq_length())  # crop takes a negative count in transformers 5
+            c.crop(
+                ctx.shape[1] - c.get_seq_length()
+            )  # crop takes a negative count in transformers 5
             inp = ctx[:, -k:]
             t = time.perf_counter()
             m(inp, past_key_values=c, use_cache=True)
@@ -252,10 +310,10 @@ def acceptance(target, draft, docs, n_prompts):
     eligible = [d for d in docs if len(d) >= PROMPT_LEN + 64]
     accepted = rejected = 0
     lengths = []
-    for i in range(n_prompts):
+    for _ in range(n_prompts):
         doc = eligible[torch.randint(len(eligible), (1,), generator=g).item()]
         off = torch.randint(1, len(doc) - PROMPT_LEN, (1,), generator=g).item()
-        prompt = doc[off:off + PROMPT_LEN].long().tolist()
+        prompt = doc[off : off + PROMPT_LEN].long().tolist()
         ref = greedy(target, torch.tensor([prompt]), GEN_LEN)
         pos = 0
         while pos < GEN_LEN:
@@ -271,9 +329,15 @@ def acceptance(target, draft, docs, n_prompts):
             rejected += a < k
             lengths.append(a + 1)
             pos += a + 1
-    return {"alpha_hat": round(accepted / max(1, accepted + rejected), 4),
-            "mean_accept_len": round(sum(lengths) / len(lengths), 4), "rounds": len(lengths),
-            "gamma": GAMMA, "prompts": n_prompts, "prompt_len": PROMPT_LEN, "gen_len": GEN_LEN}
+    return {
+        "alpha_hat": round(accepted / max(1, accepted + rejected), 4),
+        "mean_accept_len": round(sum(lengths) / len(lengths), 4),
+        "rounds": len(lengths),
+        "gamma": GAMMA,
+        "prompts": n_prompts,
+        "prompt_len": PROMPT_LEN,
+        "gen_len": GEN_LEN,
+    }
 
 
 def evaluate(out, data, n_prompts):
@@ -282,28 +346,46 @@ def evaluate(out, data, n_prompts):
     tok = AutoTokenizer.from_pretrained(out / "target")
     for doc in data["heldout_docs"][:50]:  # exact round-trip through the saved HF tokenizer
         text = tok.decode(doc[1:].long().tolist())
-        assert tok(text, add_special_tokens=False)["input_ids"] == doc[1:].tolist(), "tokenizer mismatch"
+        assert tok(text, add_special_tokens=False)["input_ids"] == doc[1:].tolist(), (
+            "tokenizer mismatch"
+        )
     target, draft = load(out / "target"), load(out / "draft")
-    m = {"data": {"files": data["files"], "chars": data["chars"],
-                  "tokens": {"train": len(data["train"]), "heldout": len(data["heldout"])}}}
+    m = {
+        "data": {
+            "files": data["files"],
+            "chars": data["chars"],
+            "tokens": {"train": len(data["train"]), "heldout": len(data["heldout"])},
+        }
+    }
     for name, model in (("target", target), ("draft", draft)):
         loss, ntok = heldout_loss(model, data["heldout"])
         info = json.loads((out / name / "training.json").read_text())
         size = sum(f.stat().st_size for f in (out / name).iterdir())
-        m[name] = {"params": sum(p.numel() for p in model.parameters()), "arch": info["arch"],
-                   "heldout_loss": round(loss, 4), "heldout_eval_tokens": ntok,
-                   "train": info["train"], "dir_bytes": size}
+        m[name] = {
+            "params": sum(p.numel() for p in model.parameters()),
+            "arch": info["arch"],
+            "heldout_loss": round(loss, 4),
+            "heldout_eval_tokens": ntok,
+            "train": info["train"],
+            "dir_bytes": size,
+        }
         log(f"{name}: held-out loss {loss:.4f}")
     ctx = data["heldout"][:200].long().view(1, -1)
-    lat = latency([("target", target, 1), ("draft", draft, 1), ("target_verify5", target, GAMMA + 1)], ctx)
+    lat = latency(
+        [("target", target, 1), ("draft", draft, 1), ("target_verify5", target, GAMMA + 1)], ctx
+    )
     m["latency_ms_1thread"] = lat
     m["latency_ratio_target_over_draft"] = round(lat["target"] / lat["draft"], 2)
     log(f"latency (ms, 1 thread): {lat}")
     m["greedy_acceptance"] = acceptance(target, draft, data["heldout_docs"], n_prompts)
     log(f"acceptance: {m['greedy_acceptance']}")
     m["total_model_bytes"] = m["target"]["dir_bytes"] + m["draft"]["dir_bytes"]
-    m["env"] = {"python": sys.version.split()[0], "torch": torch.__version__,
-                "transformers": __import__("transformers").__version__, "train_threads": torch.get_num_threads()}
+    m["env"] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "train_threads": torch.get_num_threads(),
+    }
     (out / "metrics.json").write_text(json.dumps(m, indent=1) + "\n")
     return m
 
@@ -327,7 +409,9 @@ def main():
     d_steps = max(1, round(args.minutes_draft * 60 * DRAFT_TOK_S / (BATCH * SEQ)))
     if not (out / "target" / "model.safetensors").exists() or not (work / "target.done").exists():
         target = make_model(TARGET_CFG, data["eos"])
-        log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M params, {t_steps} steps")
+        log(
+            f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M params, {t_steps} steps"
+        )
         info = train("target", target, t_steps, 8e-4, ce_loss, data["train"], 1, work)
         export(target, out / "target", {"arch": TARGET_CFG, "train": info})
         (work / "target.done").write_text("ok\n")
@@ -337,11 +421,15 @@ def main():
         for p in teacher.parameters():
             p.requires_grad_(False)
         draft = make_model(DRAFT_CFG, data["eos"])
-        log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, {d_steps} steps")
+        log(
+            f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, {d_steps} steps"
+        )
 
         def kd_loss(model, x):
             with torch.no_grad():
-                t_logp = F.log_softmax(teacher(input_ids=x[:, :-1]).logits.float(), -1).reshape(-1, VOCAB)
+                t_logp = F.log_softmax(teacher(input_ids=x[:, :-1]).logits.float(), -1).reshape(
+                    -1, VOCAB
+                )
             d_logp = F.log_softmax(model(input_ids=x[:, :-1]).logits.float(), -1).reshape(-1, VOCAB)
             return F.kl_div(d_logp, t_logp, log_target=True, reduction="batchmean")
 
@@ -352,8 +440,10 @@ def main():
         del teacher
 
     m = evaluate(out, data, args.eval_prompts)
-    log(f"done in {(time.time() - t_all) / 60:.1f} min (this invocation): alpha_hat "
-        f"{m['greedy_acceptance']['alpha_hat']}, latency ratio {m['latency_ratio_target_over_draft']}")
+    log(
+        f"done in {(time.time() - t_all) / 60:.1f} min (this invocation): alpha_hat "
+        f"{m['greedy_acceptance']['alpha_hat']}, latency ratio {m['latency_ratio_target_over_draft']}"
+    )
 
 
 if __name__ == "__main__":
