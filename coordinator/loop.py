@@ -320,17 +320,14 @@ class SessionRun:
         step = self.output.push(list(result.output_ids))
         tokens = list(result.output_ids)[: step.num_tokens]
         reason = step.finish_reason
-        if reason is None and (
-            self.cancel_requested or await self.store.cancelled(self.session_id)
-        ):
-            self.output.finish(FinishReason.CANCELLED)
+        if reason is None and self.cancel_requested:
             reason = FinishReason.CANCELLED
         self._count(len(candidates), accepted)
         self.generated += tokens
         if self.stats.first_token_s is None and tokens:
             self.stats.first_token_s = time.time() - self.started
         stats = self.stats_dict()
-        await self.store.commit(
+        _, committed_reason = await self.store.commit(
             self.session_id,
             self.c.owner,
             len(self.committed) - len(tokens),
@@ -339,6 +336,10 @@ class SessionRun:
             stats,
             reason.name if reason is not None else "",
         )
+        if committed_reason and reason is None:  # CancelSession reached us through Redis
+            reason = FinishReason[committed_reason]
+        if reason == FinishReason.CANCELLED:
+            self.output.finish(reason)
         self.finish_reason = reason  # commit before stream (invariant 4)
         self._observe(len(candidates), accepted, tokens, reason, time.perf_counter() - t0)
         self.changed.set()

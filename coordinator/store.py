@@ -22,21 +22,23 @@ import redis.asyncio as aioredis
 PREFIX = "specdec:session:"
 
 COMMIT = """
-if redis.call('GET', KEYS[3]) ~= ARGV[1] then return -1 end
-if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[3] then return -3 end
+if redis.call('GET', KEYS[3]) ~= ARGV[1] then return {-1, ''} end
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[3] then return {-3, ''} end
 local version = tonumber(redis.call('HGET', KEYS[1], 'version'))
-if version ~= tonumber(ARGV[2]) then return -2 end
+if version ~= tonumber(ARGV[2]) then return {-2, ''} end
 local n = #ARGV - 7
 for i = 8, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
 redis.call('HSET', KEYS[1], 'version', version + n, 'stats', ARGV[5], 'updated', ARGV[6])
-if ARGV[4] ~= '' then
-  redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', ARGV[4])
+local reason = ARGV[4]
+if reason == '' and redis.call('EXISTS', KEYS[4]) == 1 then reason = 'CANCELLED' end
+if reason ~= '' then
+  redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', reason)
   local ttl = tonumber(ARGV[7])
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
   redis.call('DEL', KEYS[3])
 end
-return version + n
+return {version + n, reason}
 """
 
 RENEW = """
@@ -187,11 +189,16 @@ class SessionStore:
         tokens: list[int],
         stats: dict,
         finish_reason: str = "",
-    ) -> int:
-        """Atomically append tokens at `version`; returns the new version or raises LostSession."""
-        key, tokens_key, lease, _ = self.keys(session_id)
-        result = await self._commit(
-            keys=[key, tokens_key, lease],
+    ) -> tuple[int, str]:
+        """Atomically append tokens at `version`; returns (new version, finish reason).
+
+        The finish reason is `finish_reason`, or CANCELLED when CancelSession flagged the
+        session in the meantime (checked in the same script: no extra round trip per round).
+        Raises LostSession when the lease, the epoch or the version no longer match.
+        """
+        key, tokens_key, lease, cancel = self.keys(session_id)
+        result, reason = await self._commit(
+            keys=[key, tokens_key, lease, cancel],
             args=[
                 owner,
                 version,
@@ -206,12 +213,8 @@ class SessionStore:
         if result < 0:
             why = {-1: "lease lost", -2: "version changed", -3: "epoch changed"}[int(result)]
             raise LostSession(f"session {session_id}: commit refused ({why})")
-        return int(result)
+        return int(result), reason.decode() if isinstance(reason, bytes) else reason
 
     async def cancel(self, session_id: str) -> None:
         _, _, _, cancel = self.keys(session_id)
         await self.redis.set(cancel, "1", ex=self.ttl_s)
-
-    async def cancelled(self, session_id: str) -> bool:
-        _, _, _, cancel = self.keys(session_id)
-        return bool(await self.redis.exists(cancel))

@@ -308,3 +308,33 @@ def test_long_prompt_goes_through_chunked_prefill(stub, hf):
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
     )
     assert list(response.token_ids) == expected[0, len(prompt) :].tolist()
+
+
+def test_cancel_through_another_coordinator(stack, stub):
+    """CancelSession on a replica that does not run the session reaches it through Redis."""
+    from specdec.redis_embedded import free_port
+    from specdec.v1 import coordinator_pb2_grpc
+
+    port = free_port()
+    child = stack.add_coordinator(port, name="coordinator-replica")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    replica = coordinator_pb2_grpc.CoordinatorStub(channel)
+    try:
+        stream = stub.GenerateStream(
+            request(gamma=2, max_new_tokens=2000, session_id="cancel-remote"), timeout=60
+        )
+        next(stream)
+        replica.CancelSession(
+            coordinator_pb2.CancelSessionRequest(session_id="cancel-remote"), timeout=10
+        )
+        chunks = list(stream)
+        assert chunks[-1].finish_reason == coordinator_pb2.FINISH_REASON_CANCELLED
+        info = replica.GetSession(
+            coordinator_pb2.GetSessionRequest(session_id="cancel-remote"), timeout=10
+        )
+        assert info.finish_reason == coordinator_pb2.FINISH_REASON_CANCELLED
+        assert len(info.generated_token_ids) < 2000
+    finally:
+        channel.close()
+        child.signal(15)
+        child.process.wait(timeout=20)
