@@ -132,30 +132,49 @@ def one_request(model, prompt, kwargs, assistant, seed: int) -> dict:
 
 
 def run_peers(job: dict) -> dict:
-    """Each peer, each sampling mode: a warm-up request, then every prompt in turn."""
+    """Every (mode, peer) warmed up, then the prompts round-robin over all of them.
+
+    Interleaving spreads any disturbance from other processes on a shared machine evenly
+    over the contenders instead of letting it land on whichever ran at the time. Each
+    request also records the CPU share other processes took while it ran.
+    """
+    from bench.interference import CpuWatch
+
     target, draft = load(job["target_model"]), load(job["draft_model"])
     no_eos(target, draft)
     pad_id = int(job["pad_token_id"])
-    results: dict = {}
-    for mode in job["modes"]:
-        kwargs = generation_kwargs(mode, job["max_new_tokens"], pad_id)
+    peers = (("hf_target", None), ("hf_assisted", draft))
+    combos = [(mode, peer, assistant) for mode in job["modes"] for peer, assistant in peers]
+    for mode, _, assistant in combos:
         warm = generation_kwargs(mode, min(16, job["max_new_tokens"]), pad_id)
-        results[mode["name"]] = {}
-        for peer, assistant in (("hf_target", None), ("hf_assisted", draft)):
-            one_request(target, job["prompts"][0], warm, assistant, seed=0)
-            records = []
-            run_start = time.perf_counter()
-            for i, prompt in enumerate(job["prompts"]):
-                records.append(one_request(target, prompt, kwargs, assistant, seed=1000 + i))
-            wall = time.perf_counter() - run_start
-            results[mode["name"]][peer] = {"wall_s": wall, "requests": records}
-            tokens = sum(r["generated_tokens"] for r in records)
-            print(
-                f"  {peer:<12} {mode['name']:<8} {tokens / wall:7.1f} tok/s "
-                f"({len(records)} requests, sequential)",
-                file=sys.stderr,
-                flush=True,
-            )
+        one_request(target, job["prompts"][0], warm, assistant, seed=0)
+    results: dict = {mode["name"]: {} for mode in job["modes"]}
+    for mode, peer, _ in combos:
+        results[mode["name"]][peer] = {"requests": []}
+    for i, prompt in enumerate(job["prompts"]):
+        for mode, peer, assistant in combos:
+            kwargs = generation_kwargs(mode, job["max_new_tokens"], pad_id)
+            watch = CpuWatch()
+            record = one_request(target, prompt, kwargs, assistant, seed=1000 + i)
+            record["other_cpu"] = watch.others()
+            results[mode["name"]][peer]["requests"].append(record)
+    for mode, peer, _ in combos:
+        entry = results[mode["name"]][peer]
+        records = entry["requests"]
+        entry["wall_s"] = sum(r["latency_s"] for r in records)  # service time, back to back
+        shares = [r["other_cpu"] for r in records if r["other_cpu"] is not None]
+        entry["other_cpu"] = (
+            sum(x * r["latency_s"] for x, r in zip(shares, records)) / entry["wall_s"]
+            if shares
+            else None
+        )
+        tokens = sum(r["generated_tokens"] for r in records)
+        print(
+            f"  {peer:<12} {mode['name']:<8} {tokens / entry['wall_s']:7.1f} tok/s "
+            f"({len(records)} requests, sequential)",
+            file=sys.stderr,
+            flush=True,
+        )
     return {"threads": torch.get_num_threads(), "peers": results}
 
 

@@ -223,11 +223,13 @@ def make_row(
 
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from bench.report import analyse, write_outputs
 
     args = parse(argv)
     started = time.monotonic()
+    hf_logging.set_verbosity_error()  # e.g. "sequence longer than the model" on whole files
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -293,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured = hf["peers"][mode["name"]][peer]["requests"]
                 queued, wall = metrics.sequential_service(measured, concurrency)
                 row = make_row(peer, mode["name"], concurrency, queued, wall)
-                row["other_cpu"] = hf_other_cpu
+                row["other_cpu"] = hf["peers"][mode["name"]][peer].get("other_cpu", hf_other_cpu)
                 forwards = sum(r["target_forwards"] for r in measured)
                 tokens = sum(r["generated_tokens"] for r in measured)
                 row["acceptance_rate"] = None
