@@ -348,6 +348,16 @@ class SessionRun:
         self.policy.observe(
             len(candidates), accepted, accepted < len(candidates), t1 - t0, t2 - t1, round_s
         )
+        log.debug(
+            "session %s round %d: γ=%d accepted=%d draft %.1f ms verify %.1f ms round %.1f ms",
+            self.session_id,
+            self.stats.rounds,
+            len(candidates),
+            accepted,
+            1000 * (t1 - t0),
+            1000 * (t2 - t1),
+            1000 * round_s,
+        )
 
     def _observe(
         self, gamma: int, accepted: int, tokens: list[int], reason, round_s: float
