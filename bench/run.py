@@ -133,45 +133,88 @@ def greedy_check(reference: list[dict], records: list[dict]) -> dict:
     }
 
 
-def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
-    """Every specdec contender through the whole stack; then the direct round breakdown."""
-    from bench.breakdown import breakdown
-    from bench.serving import run_load_sync
-    from specdec.redis_embedded import free_port
-    from specdec.stack import Stack, StackSettings
+class StackDied(RuntimeError):
+    """A process of the stack exited (or was killed from outside) during a measurement."""
 
-    stack = Stack(
-        StackSettings(
-            target_model=args.target_model,
-            draft_model=args.draft_model,
-            port=free_port(),
-            host="127.0.0.1",
-            draft_threads=1,
-            target_threads=args.threads - 1,
+
+class BenchStack:
+    """The local stack for the benchmark; restarted when one of its processes dies."""
+
+    def __init__(self, args, prompts, log):
+        self.args, self.prompts, self.log = args, prompts, log
+        self.stack = None
+
+    def start(self) -> None:
+        from bench.serving import run_load_sync
+        from specdec.redis_embedded import free_port
+        from specdec.stack import Stack, StackSettings
+
+        args = self.args
+        self.stack = Stack(
+            StackSettings(
+                target_model=args.target_model,
+                draft_model=args.draft_model,
+                port=free_port(),
+                host="127.0.0.1",
+                draft_threads=1,
+                target_threads=args.threads - 1,
+            )
         )
-    )
-    try:
-        stack.start(progress=lambda msg: log(f"  {msg}"))
+        self.stack.start(progress=lambda msg: self.log(f"  {msg}"))
         top = max(args.concurrency)
         for _name, gamma in SPECDEC:  # warm-up: every contender, batched, both modes
             for mode in MODES:
-                run_load_sync(stack.address, prompts[:top], mode, gamma, 16, top, args.timeout_s)
-        log("  warmed up (every specdec contender, both modes, 16 tokens)")
+                run_load_sync(
+                    self.stack.address, self.prompts[:top], mode, gamma, 16, top, args.timeout_s
+                )
+        self.log("  warmed up (every specdec contender, both modes, 16 tokens)")
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.stop()
+
+    def measure(self, mode: dict, gamma: int | None, concurrency: int) -> dict:
+        """One configuration; if the stack dies meanwhile, restart it and measure again once."""
+        import grpc
+
+        from bench.serving import run_load_sync
+
+        for attempt in range(2):
+            try:
+                run = run_load_sync(
+                    self.stack.address,
+                    self.prompts,
+                    mode,
+                    gamma,
+                    self.args.max_new_tokens,
+                    concurrency,
+                    self.args.timeout_s,
+                )
+                dead = self.stack.dead_children()
+                if dead:
+                    raise StackDied(f"{dead[0].name} exited with code {dead[0].process.returncode}")
+                return run
+            except (grpc.RpcError, StackDied) as exc:
+                if attempt == 1:
+                    raise
+                self.log(f"  the stack failed ({str(exc).splitlines()[0]}); restarting it")
+                self.stop()
+                self.start()
+        raise AssertionError("unreachable")
+
+
+def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
+    """Every specdec contender through the whole stack; then the direct round breakdown."""
+    from bench.breakdown import breakdown
+
+    bench_stack = BenchStack(args, prompts, log)
+    try:
+        bench_stack.start()
         for mode in MODES:
             for concurrency in args.concurrency:
                 for name, gamma in SPECDEC:
                     started, watch = time.monotonic(), CpuWatch()
-                    run = run_load_sync(
-                        stack.address,
-                        prompts,
-                        mode,
-                        gamma,
-                        args.max_new_tokens,
-                        concurrency,
-                        args.timeout_s,
-                    )
-                    if stack.dead_children():
-                        raise RuntimeError(f"{stack.dead_children()[0].name} died during the run")
+                    run = bench_stack.measure(mode, gamma, concurrency)
                     row = make_row(name, mode["name"], concurrency, run["requests"], run["wall_s"])
                     row["other_cpu"] = watch.others()
                     row["acceptance"] = metrics.acceptance(run["requests"])
@@ -185,6 +228,7 @@ def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
                     raw.append({**key(row), "wall_s": run["wall_s"], "requests": run["requests"]})
                     log(progress_line(len(rows), total, row, time.monotonic() - started))
         log("round breakdown: the stack's workers driven directly (greedy, one session)")
+        stack = bench_stack.stack
         rounds = breakdown(
             stack.draft_addresses[0],
             stack.target_addresses[0],
@@ -201,7 +245,7 @@ def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
             )
         return rounds
     finally:
-        stack.stop()
+        bench_stack.stop()
 
 
 def key(row: dict) -> dict:
