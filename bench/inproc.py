@@ -154,14 +154,22 @@ def run_peers(job: dict) -> dict:
     for i, prompt in enumerate(job["prompts"]):
         for mode, peer, assistant in combos:
             kwargs = generation_kwargs(mode, job["max_new_tokens"], pad_id)
-            watch = CpuWatch()
-            record = one_request(target, prompt, kwargs, assistant, seed=1000 + i)
-            record["other_cpu"] = watch.others()
-            results[mode["name"]][peer]["requests"].append(record)
+            best = None
+            for attempt in range(1 + job.get("retries", 0)):  # repeat disturbed requests
+                watch = CpuWatch()
+                record = one_request(target, prompt, kwargs, assistant, seed=1000 + i)
+                record["other_cpu"], record["repeats"] = watch.others(), attempt
+                if best is None or (record["other_cpu"] or 0.0) < (best["other_cpu"] or 0.0):
+                    best = {**record, "repeats": attempt}
+                if (record["other_cpu"] or 0.0) <= job.get("max_other_cpu", 1.0):
+                    break
+            best["repeats"] = attempt
+            results[mode["name"]][peer]["requests"].append(best)
     for mode, peer, _ in combos:
         entry = results[mode["name"]][peer]
         records = entry["requests"]
         entry["wall_s"] = sum(r["latency_s"] for r in records)  # service time, back to back
+        entry["repeats"] = sum(r["repeats"] for r in records)
         shares = [r["other_cpu"] for r in records if r["other_cpu"] is not None]
         entry["other_cpu"] = (
             sum(x * r["latency_s"] for x, r in zip(shares, records)) / entry["wall_s"]

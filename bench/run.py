@@ -64,6 +64,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", help="comma-separated (default 1,4,16, quick 1,4)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per contender")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="limit of each run")
+    parser.add_argument(
+        "--max-other-cpu",
+        type=float,
+        default=0.10,
+        help="repeat a measurement during which other processes used more of the CPU than this",
+    )
+    parser.add_argument("--retries", type=int, default=2, help="repeats of a disturbed measurement")
     args = parser.parse_args(argv)
     args.prompts = args.prompts or (4 if args.quick else 16)
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
@@ -110,7 +117,8 @@ def progress_line(i: int, total: int, row: dict, seconds: float) -> str:
 
 def other_cpu(row: dict) -> str:
     share = row.get("other_cpu")
-    return "n/a" if share is None else f"{100 * share:.0f}% CPU"
+    text = "n/a" if share is None else f"{100 * share:.0f}% CPU"
+    return text + (f", {row['repeats']} repeated" if row.get("repeats") else "")
 
 
 def strip(records: list[dict]) -> list[dict]:
@@ -213,10 +221,19 @@ def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
         for mode in MODES:
             for concurrency in args.concurrency:
                 for name, gamma in SPECDEC:
-                    started, watch = time.monotonic(), CpuWatch()
-                    run = bench_stack.measure(mode, gamma, concurrency)
+                    started, best = time.monotonic(), None
+                    for attempt in range(1 + args.retries):  # repeat disturbed measurements
+                        watch, repeats = CpuWatch(), attempt
+                        run = bench_stack.measure(mode, gamma, concurrency)
+                        share = watch.others() or 0.0
+                        if best is None or share < best[1]:
+                            best = (run, share)
+                        if share <= args.max_other_cpu:
+                            break
+                        log(f"  disturbed (other processes {100 * share:.0f}% CPU); again")
+                    run, share = best
                     row = make_row(name, mode["name"], concurrency, run["requests"], run["wall_s"])
-                    row["other_cpu"] = watch.others()
+                    row["other_cpu"], row["repeats"] = share, repeats
                     row["acceptance"] = metrics.acceptance(run["requests"])
                     row.update(
                         {
@@ -327,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": args.max_new_tokens,
             "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
             "modes": list(MODES),
+            "max_other_cpu": args.max_other_cpu,
+            "retries": args.retries,
         },
         timeout_s=args.timeout_s * 4,
     )
@@ -340,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                 queued, wall = metrics.sequential_service(measured, concurrency)
                 row = make_row(peer, mode["name"], concurrency, queued, wall)
                 row["other_cpu"] = hf["peers"][mode["name"]][peer].get("other_cpu", hf_other_cpu)
+                row["repeats"] = hf["peers"][mode["name"]][peer].get("repeats", 0)
                 forwards = sum(r["target_forwards"] for r in measured)
                 tokens = sum(r["generated_tokens"] for r in measured)
                 row["acceptance_rate"] = None
@@ -394,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_assistant_tokens_schedule": "constant",
             "assistant_confidence_threshold": 0.4,
         },
+        "disturbance": {"max_other_cpu": args.max_other_cpu, "retries": args.retries},
         "duration_s": time.monotonic() - started,
     }
     for entry in raw:

@@ -16,6 +16,10 @@ def share(row: dict) -> float | None:
     return None if x is None else 100.0 * x
 
 
+def repeats(row: dict) -> str:
+    return f" ({row['repeats']})" if row.get("repeats") else ""
+
+
 def per_position(rates: list[float]) -> str:
     return " ".join(f"{r:.2f}".lstrip("0") for r in rates) if rates else "n/a"
 
@@ -48,7 +52,11 @@ def header(result: dict) -> list[str]:
         "machine meanwhile.",
         "- Other processes' CPU (last column): the share of all cores used by processes outside "
         "this benchmark while that configuration ran (for the HF peers: over their whole "
-        "subprocess). The machine is shared; well above 0% means the row was disturbed.",
+        "subprocess). The machine is shared; well above 0% means the row was disturbed. A "
+        f"measurement (an HF request, a specdec configuration) during which others took more "
+        f"than {100 * result['meta'].get('disturbance', {}).get('max_other_cpu', 1.0):.0f}% was "
+        f"repeated up to {result['meta'].get('disturbance', {}).get('retries', 0)} times and the "
+        "least disturbed attempt kept; the number of repeats is in parentheses.",
         "",
     ]
 
@@ -66,7 +74,7 @@ def results_table(result: dict) -> list[str]:
         "",
         "| mode | conc | contender | tok/s aggregate | tok/s per request | TPOT p50 ms | TPOT p95 ms "
         "| TTFT p50 ms | TTFT p95 ms | acceptance rate | mean acceptance length | acceptance per position "
-        "| × HF target | × HF assisted | other processes' CPU |",
+        "| × HF target | × HF assisted | other processes' CPU (repeats) |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in result["rows"]:
@@ -77,7 +85,7 @@ def results_table(result: dict) -> list[str]:
             f"| {fmt(r['ttft_ms_p50'], 0)} | {fmt(r['ttft_ms_p95'], 0)} | {fmt(r.get('acceptance_rate'), 2)} "
             f"| {fmt(r.get('mean_acceptance_length'), 2)} | {per_position(rates)} "
             f"| {fmt(r['speedup_vs_hf_target'], 2, '×')} | {fmt(r['speedup_vs_hf_assisted'], 2, '×')} "
-            f"| {fmt(share(r), 0, '%')} |"
+            f"| {fmt(share(r), 0, '%')}{repeats(r)} |"
         )
     return lines + [""]
 
