@@ -59,13 +59,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _background(self) -> None:
         """Renew leases of running sessions and re-read the worker registry."""
-        period = max(self.settings.lease_s / 3.0, 0.05)
+        period = max(self.settings.lease_s / 4.0, 0.05)
         last_refresh = 0.0
         while True:
             await asyncio.sleep(period)
-            for session_id in list(self.runs):
+            for session_id, (run, _task) in list(self.runs.items()):
+                if run.finish_reason is not None:
+                    continue  # finished: the commit released the lease
                 try:
-                    if not await self.store.renew(session_id, self.owner):
+                    if not await self.store.renew(session_id, self.owner, run.epoch):
                         log.warning("lease of %s lost; stopping its loop", session_id)
                         self.runs[session_id][1].cancel()
                 except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next period

@@ -46,6 +46,11 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', KEYS[2], 'epoch') == ARGV[3]
+    and redis.call('HGET', KEYS[2], 'status') == 'running' then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
 return 0
 """
 
@@ -168,9 +173,11 @@ class SessionStore:
         epoch = await self._take(keys=[key, lease], args=[owner, self.lease_ms, time.time()])
         return None if epoch == -1 else int(epoch)
 
-    async def renew(self, session_id: str, owner: str) -> bool:
-        _, _, lease, _ = self.keys(session_id)
-        return bool(await self._renew(keys=[lease], args=[owner, self.lease_ms]))
+    async def renew(self, session_id: str, owner: str, epoch: int) -> bool:
+        """Extend our lease. A lease that merely expired (a stalled event loop) while nobody
+        took the session over — same epoch, still running — is taken back; False otherwise."""
+        key, _, lease, _ = self.keys(session_id)
+        return bool(await self._renew(keys=[lease, key], args=[owner, self.lease_ms, epoch]))
 
     async def reassign(self, session_id: str, owner: str, draft: str, target: str) -> int:
         """Record new workers and bump the epoch (workers then refuse the old epoch)."""

@@ -16,7 +16,6 @@ def stack(model_dirs):
         model_dirs["draft"],
         port=free_port(),
         log_level="warning",
-        coordinator_args=["--lease-s", "1.0"],
     )
     with Stack(settings) as running:
         yield running
