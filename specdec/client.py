@@ -77,8 +77,8 @@ def merge_chunk(response, chunk) -> None:
         response.stats.CopyFrom(chunk.stats)
 
 
-class Client:
-    """Blocking client; `addresses` are coordinators tried in turn on UNAVAILABLE."""
+class _ClientBase:
+    """Addresses, deadline and retry settings shared by both clients."""
 
     def __init__(
         self,
@@ -95,9 +95,16 @@ class Client:
         self._channel = None
         self._stub = None
 
+    def _address(self) -> str:
+        return self.addresses[self._index % len(self.addresses)]
+
+
+class Client(_ClientBase):
+    """Blocking client; `addresses` are coordinators tried in turn on UNAVAILABLE."""
+
     def _connect(self):
         if self._stub is None:
-            self._channel = grpc.insecure_channel(self.addresses[self._index % len(self.addresses)])
+            self._channel = grpc.insecure_channel(self._address())
             self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         return self._stub
 
@@ -156,23 +163,8 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """asyncio client with the same retry-with-resume behaviour."""
-
-    def __init__(
-        self,
-        addresses: str | Sequence[str] = "127.0.0.1:50051",
-        timeout_s: float = 300.0,
-        retries: int = 10,
-        backoff_s: float = 0.5,
-    ):
-        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self._index = 0
-        self._channel = None
-        self._stub = None
 
     def _connect(self):
         if self._stub is None:

@@ -338,3 +338,32 @@ def test_cancel_through_another_coordinator(stack, stub):
         channel.close()
         child.signal(15)
         child.process.wait(timeout=20)
+
+
+def test_async_client_equals_sync_client(stack):
+    import asyncio
+
+    from specdec.client import AsyncClient, Client
+
+    async def run():
+        client = AsyncClient(stack.address)
+        try:
+            chunks = [
+                c async for c in client.stream("def add(a, b):", max_new_tokens=20, ignore_eos=True)
+            ]
+            whole = await client.generate("def add(a, b):", max_new_tokens=20, ignore_eos=True)
+            return chunks, whole
+        finally:
+            await client.close()
+
+    chunks, whole = asyncio.run(run())
+    with Client(stack.address) as client:
+        expected = client.generate("def add(a, b):", max_new_tokens=20, ignore_eos=True)
+    assert (
+        [t for c in chunks for t in c.token_ids]
+        == list(whole.token_ids)
+        == list(expected.token_ids)
+    )
+    assert (
+        whole.text == expected.text and whole.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+    )
