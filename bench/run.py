@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m bench.run" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python -m bench.run", *(sys.argv[1:] if argv is None else argv)]),
         "quick": args.quick,
         "machine": {
             "cpus": os.cpu_count(),
