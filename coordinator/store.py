@@ -46,6 +46,7 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
+if redis.call('HGET', KEYS[2], 'status') == 'finished' then return 2 end
 if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', KEYS[2], 'epoch') == ARGV[3]
     and redis.call('HGET', KEYS[2], 'status') == 'running' then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -174,8 +175,12 @@ class SessionStore:
         return None if epoch == -1 else int(epoch)
 
     async def renew(self, session_id: str, owner: str, epoch: int) -> bool:
-        """Extend our lease. A lease that merely expired (a stalled event loop) while nobody
-        took the session over — same epoch, still running — is taken back; False otherwise."""
+        """Extend our lease; False only when another coordinator may own the session now.
+
+        A lease that merely expired (a stalled event loop) while nobody took the session over
+        — same epoch, still running — is taken back. A session whose final commit already
+        landed (the commit deleted the lease) counts as kept: its loop is about to end.
+        """
         key, _, lease, _ = self.keys(session_id)
         return bool(await self._renew(keys=[lease, key], args=[owner, self.lease_ms, epoch]))
 
