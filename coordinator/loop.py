@@ -17,7 +17,7 @@ from coordinator.store import LostSession, SessionRecord, SessionStore
 from specdec.detok import FinishReason, OutputStream
 from specdec.errors import Unavailable
 from specdec.kv import fingerprint
-from specdec.policy import AdaptiveGamma
+from specdec.policy import AdaptiveGamma, RoundTiming
 from specdec.telemetry import span
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -92,6 +92,7 @@ class SessionRun:
         self.params = params
         self.prompt = list(record.prompt)
         self.generated = list(record.generated)
+        self.committed = self.prompt + self.generated  # kept in step with `generated`
         self.max_new_tokens = params.max_new_tokens
         self.started = started
         self.stats = Stats(
@@ -104,7 +105,7 @@ class SessionRun:
         self.stats.accepted_per_position = self.stats.accepted_per_position or []
         self.draft = Link()
         self.target = Link()
-        self.policy = AdaptiveGamma(self.settings.max_speculative_tokens)
+        self.policy = AdaptiveGamma(self.settings.max_speculative_tokens, self.c.costs)
         self.finish_reason: FinishReason | None = None
         self.changed = asyncio.Event()
         self.cancel_requested = False
@@ -120,10 +121,6 @@ class SessionRun:
         )
         if self.generated:  # a takeover: rebuild stop-string state from the committed tokens
             self.output.push(self.generated)
-
-    @property
-    def committed(self) -> list[int]:
-        return self.prompt + self.generated
 
     # --- worker calls ---------------------------------------------------------------
 
@@ -306,7 +303,7 @@ class SessionRun:
         if self.draft.worker is None and self.c.drafts.alive() and self.record.gamma != 0:
             await self._attach("draft", exclude=set())
         gamma = self.choose_gamma()
-        candidates, dists = [], []
+        candidates, dists, proposal = [], [], None
         if gamma > 0:
             proposal = await self._propose(gamma)
             if proposal is not None:
@@ -324,6 +321,7 @@ class SessionRun:
             reason = FinishReason.CANCELLED
         self._count(len(candidates), accepted)
         self.generated += tokens
+        self.committed += tokens
         if self.stats.first_token_s is None and tokens:
             self.stats.first_token_s = time.time() - self.started
         stats = self.stats_dict()
@@ -345,9 +343,21 @@ class SessionRun:
         self.changed.set()
         self.changed = asyncio.Event()
         round_s = time.perf_counter() - t0
-        self.policy.observe(
-            len(candidates), accepted, accepted < len(candidates), t1 - t0, t2 - t1, round_s
+        timing = RoundTiming(
+            round_s=round_s,
+            draft_s=t1 - t0,
+            verify_s=t2 - t1,
+            verify_forward_s=result.forward_ns / 1e9,
+            verify_queue_s=result.queue_ns / 1e9,
+            batch_size=max(result.batch_size, 1),
+            batch_positions=result.batch_positions or None,
+            batch_seq=result.batch_seq or None,
+            worker=self.target.worker.address if self.target.worker else "",
         )
+        if proposal is not None and candidates:
+            timing.draft_forward_s = proposal.forward_ns / 1e9
+            timing.draft_queue_s = proposal.queue_ns / 1e9
+        self.policy.observe(len(candidates), accepted, accepted < len(candidates), timing)
         log.debug(
             "session %s round %d: γ=%d accepted=%d draft %.1f ms verify %.1f ms round %.1f ms",
             self.session_id,

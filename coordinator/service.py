@@ -17,6 +17,7 @@ from specdec.client import merge_chunk
 from specdec.detok import FinishReason, OutputStream
 from specdec.errors import Exhausted, InvalidArgument, NotFound, Unavailable
 from specdec.grpc_util import rpc
+from specdec.policy import CostModel
 from specdec.runtime import vocab_fingerprint
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specdec.worker import check_tokens, sampling_from_proto
@@ -45,6 +46,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             "target", split(settings.target_addr), fp, redis, settings.worker_timeout_s
         )
         self.runs: dict[str, tuple[SessionRun, asyncio.Task]] = {}
+        self.costs = CostModel()  # timings the adaptive γ policy of every session shares
         self.metrics = None  # specdec.telemetry.CoordinatorMetrics, set by main
         self._tasks: set[asyncio.Task] = set()
 

@@ -49,7 +49,7 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
             item = ProposeItem(
                 session, request.base.base_len, gamma, params, request.seed, token_only
             )
-            outcome, queue_ns, forward_ns, batch_size = await self.batcher.submit(item, gamma)
+            outcome, queue_ns, forward_ns, batch_size = (await self.batcher.submit(item, gamma))[:4]
             # the session holds all its candidates (the last has no KV yet), so after a round
             # with n accepted the caller sends the delta from base_len + n whatever n is
             session.tokens[request.base.base_len :] = outcome.candidates

@@ -1,28 +1,43 @@
 """Adaptive speculation length: the coordinator's γ when a request leaves it unset.
 
-Policy. Each round `AdaptiveGamma` picks the γ in [0, max_gamma] that maximises the
-expected committed tokens per second, E(α̂, γ) / (t_draft(γ) + t_verify(γ) + t_overhead(γ)),
-from running per-session estimates (ARCHITECTURE.md's performance model in seconds);
-γ = 0 means plain decoding: one verify of one token, one committed token, no draft call.
-Every `explore_every`-th round it instead probes a neighbour of that choice (γ±1, or
-`explore_gamma` from γ = 0, repeated while probes from 0 accept every candidate), so it keeps
-its cost model current and recovers speculation after backing off to 0.
+Policy. Each round `AdaptiveGamma` picks the γ in [0, max_gamma] that maximises the expected
+committed tokens per second of the WHOLE batch it shares, E(α̂, γ) / round(γ) - the synchronous
+form of ARCHITECTURE.md's performance model, S = E / (γ·c + v + ρ), in seconds. γ = 0 means plain
+decoding: one verify of one token, one committed token, no draft call. Every `explore_every`-th
+round it instead probes a neighbour of that choice (γ±1, or `explore_gamma` from γ = 0, repeated
+while probes from 0 accept every candidate), so the cost fits see several γ and the policy
+recovers speculation after backing off to 0.
 
-Estimates (all exponentially forgetting, so the policy follows load and text changes):
-- α̂ = (a + α₀·w) / (a + r + w): a = accepted candidates, r = rounds that ended in a
-  rejection (ARCHITECTURE.md's α̂), both decayed by `alpha_decay` per speculative round, and a
-  Beta-style prior of weight w = `prior_weight` centred on α₀ = `prior_alpha`.
-- t_draft(γ) = d₀ + d₁·γ and t_verify(γ) = a₀ + a₁·(γ+1): exponentially weighted least
-  squares over observed (γ, seconds), slopes clamped at ≥ 0. Until two different γ were seen,
-  drafting is assumed proportional to γ (autoregressive) and verify flat in γ (one parallel
-  pass, memory-bound). Under load the verify slope grows and the policy backs off.
-- t_overhead: round time minus draft and verify time, an EWMA kept separately for γ = 0
-  (no Propose call) and γ > 0 rounds; each falls back to the other until observed.
-Before any timing arrives, costs are relative to one verify: drafting a token costs
-`prior_draft_ratio` of it and overhead is 0, so the first rounds use a moderate γ.
+Round time, from what each round measures and what the workers report (forward and queue time
+of their batched passes, and how many positions the verify pass computed):
+
+    round(γ) = r + [γ > 0]·(n_d + (1 + q_d)·γ·s)  +  n_v + (1 + q_v)·(a + b·N·(γ + 1))
+
+- s: the draft's time per step (its forward time / γ) - c·(target step) in the model;
+- a + b·P: the target's forward time for P positions (a weighted least-squares fit over the
+  verify passes the coordinator saw, each counted once however many of its sessions report it;
+  batches of many sizes and the probes make it well conditioned);
+- N: sessions per verify batch. With N sessions choosing alike, one more candidate costs the
+  batch N positions, so the verify slope a session sees is b·N, not b: this is what makes γ back
+  off under load, when the target is compute-bound and the batch is big;
+- q_d, q_v: time queued for a batch relative to the forward (the previous batch's forward, which
+  scales with γ like this one's); n_d, n_v: the rest of each call (network, (de)serialisation,
+  KV sync); r: the rest of the round (commit to Redis, streaming).
+
+The timing estimates live in a `CostModel` shared by all sessions of a coordinator (they measure
+the same workers and network, so a new session starts informed); α̂ is per session:
+α̂ = (a + α₀·w) / (a + r + w), a = accepted candidates, r = rounds that ended in a rejection
+(ARCHITECTURE.md's α̂), both decayed by `alpha_decay` per speculative round, with a Beta-style
+prior of weight w = `prior_weight` centred on α₀ = `prior_alpha`. All estimates forget
+exponentially, so the policy follows load and text as they change. Before any timing arrives,
+costs are relative to one verify forward: a draft step costs `prior_draft_ratio` of it and
+everything else is free, so the first rounds use a moderate γ.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
 
 from specdec.perf_model import expected_tokens
 
@@ -37,13 +52,18 @@ class _Ewma:
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
 
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
 
 class _AffineFit:
-    """Exponentially weighted least-squares fit t ≈ intercept + slope·x with slope ≥ 0."""
+    """Exponentially weighted least-squares fit t ≈ intercept + slope·x with slope ≥ 0.
 
-    def __init__(self, decay: float, proportional_fallback: bool) -> None:
+    Until x has varied, the fit is flat (slope 0 at the mean): a forward pass is taken to cost
+    the same for a few more positions, which is true while the model is memory-bound."""
+
+    def __init__(self, decay: float) -> None:
         self.decay = decay
-        self.proportional_fallback = proportional_fallback  # else: flat fallback
         self.w = self.wx = self.wxx = self.wt = self.wxt = 0.0
 
     def add(self, x: float, t: float) -> None:
@@ -58,13 +78,90 @@ class _AffineFit:
     def empty(self) -> bool:
         return self.w == 0.0
 
-    def predict(self, x: float) -> float:
+    def coefficients(self) -> tuple[float, float]:
+        """(intercept, slope) with slope ≥ 0 and intercept ≥ 0."""
         mx, mt = self.wx / self.w, self.wt / self.w
         var = self.wxx / self.w - mx * mx
-        if var <= 1e-6:  # a single x seen so far: fall back to the physical prior
-            return mt / mx * x if self.proportional_fallback else mt
-        slope = max((self.wxt / self.w - mx * mt) / var, 0.0)
-        return max(mt + slope * (x - mx), 0.0)
+        slope = 0.0 if var <= 1e-6 * max(1.0, mx * mx) else (self.wxt / self.w - mx * mt) / var
+        slope = max(slope, 0.0)
+        intercept = mt - slope * mx
+        if intercept < 0.0:  # keep the line through the mean, but never predict < 0 at x = 0
+            intercept, slope = 0.0, mt / mx if mx > 0 else 0.0
+        return intercept, slope
+
+
+@dataclass
+class RoundTiming:
+    """What one round measured (seconds). Worker-reported fields are optional: without them
+    the whole call counts as forward time and a verify is taken to compute γ+1 positions."""
+
+    round_s: float
+    draft_s: float = 0.0  # wall time of the Propose call (0 when γ = 0)
+    verify_s: float = 0.0  # wall time of the Verify call
+    draft_forward_s: float | None = None  # the draft worker's forward time for the γ steps
+    draft_queue_s: float = 0.0
+    verify_forward_s: float | None = None  # the target's batched forward time
+    verify_queue_s: float = 0.0
+    batch_size: int = 1  # sessions in that verify pass
+    batch_positions: int | None = None  # positions it computed, left padding included
+    batch_seq: int | None = None  # that pass's number on its worker: fit each pass once
+    worker: str = ""  # the target worker's address
+
+    def check(self) -> None:
+        values = [self.round_s, self.draft_s, self.verify_s, self.draft_queue_s]
+        values += [self.verify_queue_s, self.draft_forward_s or 0.0, self.verify_forward_s or 0.0]
+        if min(values) < 0:
+            raise ValueError(f"negative time in {self}")
+        if self.batch_size < 1 or (self.batch_positions is not None and self.batch_positions < 1):
+            raise ValueError(f"batch_size and batch_positions must be >= 1 in {self}")
+
+
+class CostModel:
+    """Timing estimates shared by every session of one coordinator (see the module docstring)."""
+
+    def __init__(self, decay: float = 0.9, fit_decay: float = 0.98) -> None:
+        if not (0.0 < decay <= 1.0 and 0.0 < fit_decay <= 1.0):
+            raise ValueError("decay and fit_decay must be in (0, 1]")
+        self.verify_fit = _AffineFit(fit_decay)  # target forward seconds against positions
+        self.draft_step = _Ewma(decay)  # draft forward seconds per step
+        self.batch_size = _Ewma(decay)  # N
+        self.draft_queue = _Ewma(decay)  # q_d
+        self.verify_queue = _Ewma(decay)  # q_v
+        self.draft_net = _Ewma(decay)  # n_d
+        self.verify_net = _Ewma(decay)  # n_v
+        self.rest = _Ewma(decay)  # r
+        self._seen: deque[tuple[str, int]] = deque(maxlen=256)  # recent verify passes
+
+    @property
+    def empty(self) -> bool:
+        return self.verify_fit.empty
+
+    def verify_forward_s(self, positions: float) -> float:
+        """Predicted target forward time for `positions` positions (prior: 1.0, flat)."""
+        if self.verify_fit.empty:
+            return 1.0
+        intercept, slope = self.verify_fit.coefficients()
+        return intercept + slope * positions
+
+    def observe(self, gamma: int, t: RoundTiming) -> None:
+        t.check()
+        v_fwd = t.verify_s if t.verify_forward_s is None else t.verify_forward_s
+        positions = t.batch_positions or (gamma + 1) * t.batch_size
+        key = (t.worker, t.batch_seq)  # each session of a pass reports it: fit the pass once
+        if t.batch_seq is None or key not in self._seen:
+            self._seen.append(key)
+            self.verify_fit.add(positions, v_fwd)
+        self.batch_size.add(t.batch_size)
+        if v_fwd > 0:
+            self.verify_queue.add(t.verify_queue_s / v_fwd)
+        self.verify_net.add(max(t.verify_s - t.verify_queue_s - v_fwd, 0.0))
+        if gamma > 0:
+            d_fwd = t.draft_s if t.draft_forward_s is None else t.draft_forward_s
+            self.draft_step.add(d_fwd / gamma)
+            if d_fwd > 0:
+                self.draft_queue.add(t.draft_queue_s / d_fwd)
+            self.draft_net.add(max(t.draft_s - t.draft_queue_s - d_fwd, 0.0))
+        self.rest.add(max(t.round_s - t.draft_s - t.verify_s, 0.0))
 
 
 class AdaptiveGamma:
@@ -73,12 +170,12 @@ class AdaptiveGamma:
     def __init__(
         self,
         max_gamma: int,
+        costs: CostModel | None = None,
         prior_alpha: float = 0.6,
         prior_weight: float = 2.0,
         *,
         alpha_decay: float = 0.98,
-        time_decay: float = 0.9,
-        explore_every: int = 16,
+        explore_every: int = 8,
         explore_gamma: int = 2,
         prior_draft_ratio: float = 0.1,
     ) -> None:
@@ -86,9 +183,10 @@ class AdaptiveGamma:
             raise ValueError("max_gamma, explore_every and explore_gamma must be >= 0")
         if not 0.0 <= prior_alpha <= 1.0 or prior_weight < 0:
             raise ValueError("prior_alpha must be in [0, 1] and prior_weight >= 0")
-        if not (0.0 < alpha_decay <= 1.0 and 0.0 < time_decay <= 1.0):
-            raise ValueError("alpha_decay and time_decay must be in (0, 1]")
+        if not 0.0 < alpha_decay <= 1.0:
+            raise ValueError("alpha_decay must be in (0, 1]")
         self.max_gamma = max_gamma
+        self.costs = costs if costs is not None else CostModel()
         self.prior_alpha = prior_alpha
         self.prior_weight = prior_weight
         self.alpha_decay = alpha_decay
@@ -97,9 +195,6 @@ class AdaptiveGamma:
         self.prior_draft_ratio = prior_draft_ratio
         self._accepted = 0.0  # decayed accepted candidates
         self._rejections = 0.0  # decayed rounds that ended in a rejection
-        self._draft = _AffineFit(time_decay, proportional_fallback=True)  # x = γ
-        self._verify = _AffineFit(time_decay, proportional_fallback=False)  # x = γ + 1
-        self._overhead = {False: _Ewma(time_decay), True: _Ewma(time_decay)}  # by γ > 0
         self._calls = 0
         self._probes = 0
         self._probing_from_zero = False
@@ -113,25 +208,23 @@ class AdaptiveGamma:
         return self.prior_alpha if den == 0 else num / den
 
     def verify_s(self, gamma: int) -> float:
-        """Predicted verify time of γ+1 tokens (prior: 1.0 per verify)."""
-        return 1.0 if self._verify.empty else self._verify.predict(gamma + 1)
+        """Predicted wall time of this session's Verify call with γ candidates, load included."""
+        c = self.costs
+        n = c.batch_size.get(1.0)
+        forward = c.verify_forward_s(n * (gamma + 1))
+        return c.verify_net.get(0.0) + (1.0 + c.verify_queue.get(0.0)) * forward
 
     def draft_s(self, gamma: int) -> float:
-        """Predicted time to draft γ candidates; 0 for γ = 0 (no draft call)."""
+        """Predicted wall time to draft γ candidates; 0 for γ = 0 (no draft call)."""
         if gamma == 0:
             return 0.0
-        if self._draft.empty:
-            return self.prior_draft_ratio * gamma * self.verify_s(0)
-        return self._draft.predict(gamma)
-
-    def overhead_s(self, gamma: int) -> float:
-        """Predicted round time outside draft and verify (network, commit)."""
-        own, other = self._overhead[gamma > 0].value, self._overhead[gamma == 0].value
-        return own if own is not None else (other if other is not None else 0.0)
+        c = self.costs
+        step = c.draft_step.get(self.prior_draft_ratio * c.verify_forward_s(c.batch_size.get(1.0)))
+        return c.draft_net.get(0.0) + (1.0 + c.draft_queue.get(0.0)) * gamma * step
 
     def round_s(self, gamma: int) -> float:
         """Predicted wall time of one round with γ candidates."""
-        return self.draft_s(gamma) + self.verify_s(gamma) + self.overhead_s(gamma)
+        return self.draft_s(gamma) + self.verify_s(gamma) + self.costs.rest.get(0.0)
 
     def expected_rate(self, gamma: int) -> float:
         """Expected committed tokens per second with γ candidates."""
@@ -164,32 +257,16 @@ class AdaptiveGamma:
     def _explore_now(self) -> bool:
         return self.explore_every > 0 and self._calls % self.explore_every == 0
 
-    def observe(
-        self,
-        gamma: int,
-        accepted: int,
-        rejected: bool,
-        draft_s: float,
-        verify_s: float,
-        round_s: float,
-    ) -> None:
-        """Record one finished round: candidates accepted, whether one was rejected, timings.
-
-        `draft_s`: drafting the γ candidates (0 when γ = 0); `verify_s`: verifying γ+1 tokens;
-        `round_s`: the whole round's wall time, including network and commit.
-        """
+    def observe(self, gamma: int, accepted: int, rejected: bool, timing: RoundTiming) -> None:
+        """Record one finished round: candidates accepted, whether one was rejected, timings."""
         if gamma < 0 or not 0 <= accepted <= gamma or rejected != (accepted < gamma):
             raise ValueError(
                 f"inconsistent round: gamma={gamma}, accepted={accepted}, rejected={rejected}"
             )
-        if min(draft_s, verify_s, round_s) < 0:
-            raise ValueError(f"negative time: {draft_s=}, {verify_s=}, {round_s=}")
+        self.costs.observe(gamma, timing)
         if gamma > 0:
             d = self.alpha_decay
             self._accepted = d * self._accepted + accepted
             self._rejections = d * self._rejections + float(rejected)
-            self._draft.add(gamma, draft_s)
-        self._verify.add(gamma + 1, verify_s)
-        self._overhead[gamma > 0].add(max(round_s - draft_s - verify_s, 0.0))
         self._probe_again = self._probing_from_zero and gamma > 0 and not rejected
         self._probing_from_zero = False

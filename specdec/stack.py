@@ -96,6 +96,14 @@ class Stack:
         self.children.append(child)
         return child
 
+    def _spawn_worker(self, tier: str, i: int, model: str, threads: int, extra: list[str]) -> str:
+        """Start worker i of a tier on a free port; returns the line `up` prints for it."""
+        port = free_port()
+        getattr(self, f"{tier}_addresses").append(f"127.0.0.1:{port}")
+        args = ["--model", model, "--port", str(port), "--threads", str(threads), *extra]
+        self._spawn(f"{tier}-worker-{i}", f"{tier}_worker", args)
+        return f"{tier}[{i}]".ljust(13) + f"127.0.0.1:{port}  model={model} threads={threads}"
+
     def start(self, progress=print) -> Stack:
         s = self.settings
         try:
@@ -105,47 +113,12 @@ class Stack:
                 progress(f"redis        {self.redis_url} (embedded redis-server)")
             common = ["--redis-url", self.redis_url, "--log-level", s.log_level]
             for i in range(s.target_workers):
-                port = free_port()
-                self.target_addresses.append(f"127.0.0.1:{port}")
-                self._spawn(
-                    f"target-worker-{i}",
-                    "target_worker",
-                    [
-                        "--model",
-                        s.target_model,
-                        "--port",
-                        str(port),
-                        "--threads",
-                        str(s.target_threads),
-                        *common,
-                        *s.target_args,
-                    ],
-                )
-                progress(
-                    f"target[{i}]    127.0.0.1:{port}  model={s.target_model} threads={s.target_threads}"
-                )
+                extra = common + s.target_args
+                progress(self._spawn_worker("target", i, s.target_model, s.target_threads, extra))
             for i in range(s.draft_workers):
-                port = free_port()
-                self.draft_addresses.append(f"127.0.0.1:{port}")
-                self._spawn(
-                    f"draft-worker-{i}",
-                    "draft_worker",
-                    [
-                        "--model",
-                        s.draft_model,
-                        "--port",
-                        str(port),
-                        "--threads",
-                        str(s.draft_threads),
-                        "--proposer",
-                        s.proposer,
-                        *common,
-                        *s.draft_args,
-                    ],
-                )
-                progress(
-                    f"draft[{i}]     127.0.0.1:{port}  model={s.draft_model} threads={s.draft_threads} proposer={s.proposer}"
-                )
+                extra = ["--proposer", s.proposer, *common, *s.draft_args]
+                line = self._spawn_worker("draft", i, s.draft_model, s.draft_threads, extra)
+                progress(f"{line} proposer={s.proposer}")
             self._wait(self.children, s.startup_timeout_s)
             coordinator = self._spawn(
                 "coordinator",

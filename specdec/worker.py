@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from specdec.errors import Exhausted, InvalidArgument, NotFound, StaleBase
 from specdec.grpc_util import rpc
@@ -168,6 +168,17 @@ class _Pending:
     enqueued: float = field(default_factory=time.perf_counter_ns)
 
 
+class BatchRun(NamedTuple):
+    """One item's result and the batched pass it ran in."""
+
+    result: Any
+    queue_ns: int  # waiting for the pass to start
+    forward_ns: int  # the pass itself
+    batch_size: int  # items in the pass
+    positions: int  # what the pass computed: batch_size x the longest item (padding included)
+    batch_seq: int  # the pass's sequence number on this worker (1, 2, ...)
+
+
 class Batcher:
     """Collects concurrent requests into batches run by ONE model thread.
 
@@ -195,6 +206,7 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._carry: _Pending | None = None
         self._recent: dict[object, float] = {}  # session → last submit (monotonic seconds)
+        self.batches_run = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -212,7 +224,7 @@ class Batcher:
         return max(1, len(self._recent))
 
     async def submit(self, item, tokens: int):
-        """Queue one item; returns (result, queue_ns, forward_ns, batch_size)."""
+        """Queue one item; returns its `BatchRun` once the batch it joined has run."""
         session = getattr(item, "session", None)
         self._recent[getattr(session, "session_id", id(item))] = time.monotonic()
         future = asyncio.get_running_loop().create_future()
@@ -261,6 +273,8 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - fail this batch's calls, keep serving
                 results = [exc] * len(batch)
             forward_ns = time.perf_counter_ns() - start
+            positions = len(batch) * max(p.tokens for p in batch)
+            self.batches_run += 1
             for pending, result in zip(batch, results):
                 if pending.future.done():
                     continue
@@ -268,7 +282,14 @@ class Batcher:
                     pending.future.set_exception(result)
                 else:
                     pending.future.set_result(
-                        (result, start - pending.enqueued, forward_ns, len(batch))
+                        BatchRun(
+                            result,
+                            start - pending.enqueued,
+                            forward_ns,
+                            len(batch),
+                            positions,
+                            self.batches_run,
+                        )
                     )
 
 

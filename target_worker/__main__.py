@@ -6,35 +6,22 @@ from dataclasses import dataclass
 
 from specdec.runtime import ModelRuntime, RuntimeSettings
 from specdec.serve import worker_main
-from specdec.settings import opt
+from specdec.settings import WorkerSettings, opt
 from specdec.v1 import target_pb2_grpc
 
 
 @dataclass(frozen=True)
-class TargetSettings:
+class TargetSettings(WorkerSettings):
     model: str = opt("models/target", "Hugging Face model directory of the target")
-    host: str = opt("127.0.0.1", "address to bind (0.0.0.0 in a container)")
     port: int = opt(50071, "gRPC port (0 = pick a free one)")
-    threads: int = opt(1, "torch intra-op threads")
-    device: str = opt("auto", "auto | cpu | cuda[:N]")
-    dtype: str = opt(
-        "auto", "auto | float32 | float16 | bfloat16", ["auto", "float32", "float16", "bfloat16"]
-    )
+    max_kv_mb: int = opt(4096, "KV cache memory budget in MiB (LRU eviction beyond)")
+    max_speculative_tokens: int = opt(16, "largest γ accepted by Verify")
     max_batch_size: int = opt(32, "most sessions verified in one forward pass")
+    max_wait_ms: float = opt(2.0, "how long a batch waits for more sessions after its first")
     max_batch_tokens: int = opt(
         4096, "most tokens (cached-uncomputed + candidates) in one forward pass"
     )
-    max_wait_ms: float = opt(2.0, "how long a batch waits for more sessions after its first")
-    max_sessions: int = opt(256, "sessions whose KV is cached (LRU beyond)")
-    max_kv_mb: int = opt(4096, "KV cache memory budget in MiB (LRU eviction beyond)")
-    max_speculative_tokens: int = opt(16, "largest γ accepted by Verify")
     prefill_chunk: int = opt(512, "tokens per Prefill forward pass")
-    redis_url: str = opt("", "register in this Redis (empty = static addressing only)")
-    advertise_addr: str = opt("", "address registered in Redis (default host:port)")
-    heartbeat_s: float = opt(2.0, "registry heartbeat period; the entry expires after 3 periods")
-    grace_s: float = opt(10.0, "on SIGTERM, how long in-flight calls may finish")
-    metrics_port: int = opt(0, "Prometheus metrics port (0 = off)")
-    log_level: str = opt("info", "debug | info | warning | error")
 
 
 def build(settings: TargetSettings):

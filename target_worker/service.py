@@ -78,18 +78,21 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
                 return_logprobs=request.return_logprobs,
             )
             tokens = len(session.pending()) + len(candidates)
-            outcome, queue_ns, forward_ns, batch_size = await self.batcher.submit(item, tokens)
+            run = await self.batcher.submit(item, tokens)
+            outcome = run.result
         self.table.enforce_memory()
-        self.record_batch(queue_ns, forward_ns, batch_size, outcome.computed_tokens)
+        self.record_batch(run.queue_ns, run.forward_ns, run.batch_size, outcome.computed_tokens)
         return target_pb2.VerifyResponse(
             num_accepted=outcome.num_accepted,
             output_ids=outcome.output_ids,
             output_logprobs=outcome.logprobs,
-            queue_ns=queue_ns,
-            forward_ns=forward_ns,
+            queue_ns=run.queue_ns,
+            forward_ns=run.forward_ns,
             total_ns=time.perf_counter_ns() - start,
-            batch_size=batch_size,
+            batch_size=run.batch_size,
             computed_tokens=outcome.computed_tokens,
+            batch_positions=run.positions,
+            batch_seq=run.batch_seq,
         )
 
     @rpc

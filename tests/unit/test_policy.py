@@ -7,29 +7,59 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.perf_model import expected_tokens
-from specdec.policy import AdaptiveGamma
+from specdec.policy import AdaptiveGamma, CostModel, RoundTiming
 
 
 class Sim:
-    """A session with per-token acceptance α and affine draft/verify costs (seconds)."""
+    """A session with per-token acceptance α and affine draft/verify costs (seconds).
 
-    def __init__(self, alpha, draft_per_token, verify_base, verify_per_token, overhead, seed=0):
+    The verify pass holds `batch` sessions that all choose the same γ: it computes
+    batch·(γ+1) positions at `verify_per_token` seconds each."""
+
+    def __init__(
+        self,
+        alpha,
+        draft_per_token,
+        verify_base,
+        verify_per_token,
+        overhead,
+        seed=0,
+        batch=1,
+        draft_fixed=0.0,
+    ):
         self.alpha = alpha
         self.draft_per_token = draft_per_token
+        self.draft_fixed = draft_fixed
         self.verify_base = verify_base
         self.verify_per_token = verify_per_token
         self.overhead = overhead
+        self.batch = batch
         self.rng = random.Random(seed)
 
     def round(self, policy: AdaptiveGamma, gamma: int) -> None:
         accepted = 0
         while accepted < gamma and self.rng.random() < self.alpha:
             accepted += 1
-        draft = gamma * self.draft_per_token
-        verify = self.verify_base + self.verify_per_token * (gamma + 1)
-        policy.observe(
-            gamma, accepted, accepted < gamma, draft, verify, draft + verify + self.overhead
+        policy.observe(gamma, accepted, accepted < gamma, self.timing(gamma))
+
+    def timing(self, gamma: int) -> RoundTiming:
+        draft_fwd = gamma * self.draft_per_token
+        draft = self.draft_fixed + draft_fwd if gamma else 0.0
+        positions = self.batch * (gamma + 1)
+        verify = self.verify_base + self.verify_per_token * positions
+        return RoundTiming(
+            round_s=draft + verify + self.overhead,
+            draft_s=draft,
+            verify_s=verify,
+            draft_forward_s=draft_fwd if gamma else None,
+            verify_forward_s=verify,
+            batch_size=self.batch,
+            batch_positions=positions,
         )
+
+    def rate(self, gamma: int) -> float:
+        """True expected tokens per second of the batch at this γ."""
+        return expected_tokens(self.alpha, gamma) / self.timing(gamma).round_s
 
     def run(self, policy: AdaptiveGamma, rounds: int) -> list[int]:
         chosen = []
@@ -80,7 +110,7 @@ def test_backs_off_when_load_arrives_mid_session():
     policy = AdaptiveGamma(max_gamma=8)
     Sim(0.8, 0.001, 0.02, 0.0, 0.002).run(policy, 100)
     before = policy.best_gamma()
-    Sim(0.8, 0.001, 0.01, 0.01, 0.002).run(policy, 100)
+    Sim(0.8, 0.001, 0.01, 0.01, 0.002).run(policy, 200)
     assert before >= 6 and policy.best_gamma() <= 3
 
 
@@ -112,9 +142,9 @@ def test_gamma_zero_rounds_do_not_move_alpha():
     policy = AdaptiveGamma(max_gamma=4)
     before = policy.alpha
     for _ in range(10):
-        policy.observe(0, 0, False, 0.0, 0.01, 0.011)
+        policy.observe(0, 0, False, RoundTiming(round_s=0.011, verify_s=0.01))
     assert policy.alpha == before
-    policy.observe(4, 1, True, 0.004, 0.01, 0.015)
+    policy.observe(4, 1, True, RoundTiming(round_s=0.015, draft_s=0.004, verify_s=0.01))
     assert policy.alpha == pytest.approx((1 + 0.6 * 2) / (2 + 2))
 
 
@@ -123,7 +153,23 @@ def test_gamma_zero_rounds_do_not_move_alpha():
 )
 def test_observe_rejects_inconsistent_rounds(gamma, accepted, rejected):
     with pytest.raises(ValueError, match="inconsistent"):
-        AdaptiveGamma(max_gamma=4).observe(gamma, accepted, rejected, 0.0, 0.01, 0.01)
+        AdaptiveGamma(max_gamma=4).observe(
+            gamma, accepted, rejected, RoundTiming(round_s=0.01, verify_s=0.01)
+        )
+
+
+@pytest.mark.parametrize(
+    "timing",
+    [
+        RoundTiming(round_s=-0.01),
+        RoundTiming(round_s=0.01, verify_forward_s=-1.0),
+        RoundTiming(round_s=0.01, batch_size=0),
+        RoundTiming(round_s=0.01, batch_positions=0),
+    ],
+)
+def test_observe_rejects_impossible_timings(timing):
+    with pytest.raises(ValueError):
+        AdaptiveGamma(max_gamma=4).observe(1, 1, False, timing)
 
 
 @settings(derandomize=True, max_examples=60, deadline=None)
@@ -136,28 +182,29 @@ def test_observe_rejects_inconsistent_rounds(gamma, accepted, rejected):
     verify_per_token=st.floats(0.0, 0.02),
     overhead=st.floats(0.0, 0.01),
     seed=st.integers(0, 2**16),
+    batch=st.integers(1, 32),
 )
 def test_choice_is_the_argmax_of_the_model(
-    max_gamma, alpha, draft_fixed, draft_per_token, verify_base, verify_per_token, overhead, seed
+    max_gamma,
+    alpha,
+    draft_fixed,
+    draft_per_token,
+    verify_base,
+    verify_per_token,
+    overhead,
+    seed,
+    batch,
 ):
-    """Noise-free affine timings at several γ: the fits are exact and best_gamma is the argmax."""
+    """Noise-free affine timings at several γ: the fits are exact and best_gamma is the argmax
+    of the batch's true tokens per second."""
     policy = AdaptiveGamma(max_gamma=max_gamma, explore_every=0)
-    rng = random.Random(seed)
+    sim = Sim(
+        alpha, draft_per_token, verify_base, verify_per_token, overhead, seed, batch, draft_fixed
+    )
     for i in range(30):
-        gamma = i % (max_gamma + 1)
-        accepted = 0
-        while accepted < gamma and rng.random() < alpha:
-            accepted += 1
-        draft = draft_fixed + draft_per_token * gamma if gamma else 0.0
-        verify = verify_base + verify_per_token * (gamma + 1)
-        policy.observe(gamma, accepted, accepted < gamma, draft, verify, draft + verify + overhead)
-
-    def rate(g: int) -> float:
-        draft = draft_fixed + draft_per_token * g if g else 0.0
-        verify = verify_base + verify_per_token * (g + 1)
-        return expected_tokens(policy.alpha, g) / (draft + verify + overhead)
-
-    rates = [rate(g) for g in range(max_gamma + 1)]
+        sim.round(policy, i % (max_gamma + 1))
+    sim.alpha = policy.alpha  # compare the cost model at the policy's own α̂
+    rates = [sim.rate(g) for g in range(max_gamma + 1)]
     for g in range(max_gamma + 1):
         assert policy.expected_rate(g) == pytest.approx(rates[g], rel=1e-6)
     choice = policy.choose()
@@ -172,3 +219,27 @@ def test_probe_that_accepts_everything_is_repeated():
     chosen = Sim(1.0, 0.003, 0.01, 0.0, 0.001).run(policy, 30)
     first = next(i for i, g in enumerate(chosen) if g)
     assert chosen[first : first + 3] == [2, 2, 2]  # best_gamma alone would still say 0
+
+
+def test_backs_off_when_the_batch_grows_at_the_same_cost_per_position():
+    """One more candidate costs a batch of N sessions N positions: the slope the policy sees."""
+    costs = dict(draft_per_token=0.002, verify_base=0.02, verify_per_token=0.001, overhead=0.003)
+    alone = AdaptiveGamma(max_gamma=8)
+    Sim(0.75, **costs, seed=3).run(alone, 200)
+    crowded = AdaptiveGamma(max_gamma=8)
+    sim = Sim(0.75, **costs, seed=3, batch=24)
+    chosen = sim.run(crowded, 200)
+    assert alone.best_gamma() >= 4
+    assert crowded.best_gamma() <= 2
+    rates = [sim.rate(g) for g in range(9)]  # the choice is (near) the true optimum
+    assert sum(sim.rate(g) for g in chosen[-50:]) / 50 >= 0.9 * max(rates)
+
+
+def test_sessions_share_what_the_workers_cost():
+    costs = CostModel()
+    first = AdaptiveGamma(max_gamma=8, costs=costs)
+    Sim(0.8, 0.001, 0.01, 0.01, 0.002, seed=4).run(first, 100)
+    fresh = AdaptiveGamma(max_gamma=8)
+    informed = AdaptiveGamma(max_gamma=8, costs=costs)
+    assert fresh.best_gamma() >= 2
+    assert informed.best_gamma() <= 1  # steep verify already known: starts low, no warm-up
