@@ -292,6 +292,8 @@ class SessionRun:
             raise
         finally:
             self.changed.set()
+            if self.record.gamma is None:
+                log.debug("session %s policy: %s", self.session_id, self.policy.describe())
             await self.release_workers()
 
     async def round(self) -> None:

@@ -130,11 +130,23 @@ class CostModel:
         self.draft_net = _Ewma(decay)  # n_d
         self.verify_net = _Ewma(decay)  # n_v
         self.rest = _Ewma(decay)  # r
+        self.accepted = 0.0  # over all sessions: the prior of a session's α̂
+        self.rejections = 0.0
+        self.alpha_decay = 0.99
         self._seen: deque[tuple[str, int]] = deque(maxlen=256)  # recent verify passes
 
     @property
     def empty(self) -> bool:
         return self.verify_fit.empty
+
+    def alpha(self, prior: float, weight: float = 4.0) -> float:
+        """α̂ over every session's recent speculative rounds, shrunk towards `prior`."""
+        return (self.accepted + prior * weight) / (self.accepted + self.rejections + weight)
+
+    def observe_acceptance(self, accepted: int, rejected: bool) -> None:
+        d = self.alpha_decay
+        self.accepted = d * self.accepted + accepted
+        self.rejections = d * self.rejections + float(rejected)
 
     def verify_forward_s(self, positions: float) -> float:
         """Predicted target forward time for `positions` positions (prior: 1.0, flat)."""
@@ -172,7 +184,7 @@ class AdaptiveGamma:
         max_gamma: int,
         costs: CostModel | None = None,
         prior_alpha: float = 0.6,
-        prior_weight: float = 2.0,
+        prior_weight: float = 4.0,
         *,
         alpha_decay: float = 0.98,
         explore_every: int = 8,
@@ -202,10 +214,11 @@ class AdaptiveGamma:
 
     @property
     def alpha(self) -> float:
-        """α̂: acceptance estimate with its prior."""
-        num = self._accepted + self.prior_alpha * self.prior_weight
+        """α̂: this session's acceptance, shrunk towards the coordinator-wide α̂ (the prior)."""
+        prior = self.costs.alpha(self.prior_alpha)
+        num = self._accepted + prior * self.prior_weight
         den = self._accepted + self._rejections + self.prior_weight
-        return self.prior_alpha if den == 0 else num / den
+        return prior if den == 0 else num / den
 
     def verify_s(self, gamma: int) -> float:
         """Predicted wall time of this session's Verify call with γ candidates, load included."""
@@ -255,7 +268,25 @@ class AdaptiveGamma:
         return best
 
     def _explore_now(self) -> bool:
-        return self.explore_every > 0 and self._calls % self.explore_every == 0
+        """Every `explore_every`-th round alone; N times rarer in batches of N sessions (the
+        fits are shared, and a probe's longer block pads the whole batch's verify pass)."""
+        if self.explore_every == 0:
+            return False
+        period = self.explore_every * max(1, round(self.costs.batch_size.get(1.0)))
+        return self._calls % period == 0
+
+    def describe(self) -> str:
+        """The estimates behind the choice, for a debug log line."""
+        c = self.costs
+        a, b = c.verify_fit.coefficients() if not c.verify_fit.empty else (1.0, 0.0)
+        ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
+        rates = " ".join(f"{g}:{self.expected_rate(g):.1f}" for g in range(self.max_gamma + 1))
+        return (
+            f"α̂={self.alpha:.3f} verify={ms(a)}+{ms(b)}·P ms N={c.batch_size.get(1.0):.1f} "
+            f"draft step={ms(c.draft_step.get(0.0))} ms queue d/v={c.draft_queue.get(0.0):.2f}/"
+            f"{c.verify_queue.get(0.0):.2f} net d/v={ms(c.draft_net.get(0.0))}/"
+            f"{ms(c.verify_net.get(0.0))} ms rest={ms(c.rest.get(0.0))} ms; tokens/s by γ {rates}"
+        )
 
     def observe(self, gamma: int, accepted: int, rejected: bool, timing: RoundTiming) -> None:
         """Record one finished round: candidates accepted, whether one was rejected, timings."""
@@ -268,5 +299,6 @@ class AdaptiveGamma:
             d = self.alpha_decay
             self._accepted = d * self._accepted + accepted
             self._rejections = d * self._rejections + float(rejected)
+            self.costs.observe_acceptance(accepted, rejected)
         self._probe_again = self._probing_from_zero and gamma > 0 and not rejected
         self._probing_from_zero = False

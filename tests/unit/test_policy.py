@@ -145,7 +145,11 @@ def test_gamma_zero_rounds_do_not_move_alpha():
         policy.observe(0, 0, False, RoundTiming(round_s=0.011, verify_s=0.01))
     assert policy.alpha == before
     policy.observe(4, 1, True, RoundTiming(round_s=0.015, draft_s=0.004, verify_s=0.01))
-    assert policy.alpha == pytest.approx((1 + 0.6 * 2) / (2 + 2))
+    # 1 accepted of 4, then a rejection; the prior is the coordinator-wide α̂ (same round,
+    # shrunk towards 0.6 with weight 4)
+    shared = (1 + 0.6 * 4) / (2 + 4)
+    assert policy.costs.alpha(0.6) == pytest.approx(shared)
+    assert policy.alpha == pytest.approx((1 + shared * 4) / (2 + 4))
 
 
 @pytest.mark.parametrize(
@@ -241,5 +245,19 @@ def test_sessions_share_what_the_workers_cost():
     Sim(0.8, 0.001, 0.01, 0.01, 0.002, seed=4).run(first, 100)
     fresh = AdaptiveGamma(max_gamma=8)
     informed = AdaptiveGamma(max_gamma=8, costs=costs)
-    assert fresh.best_gamma() >= 2
-    assert informed.best_gamma() <= 1  # steep verify already known: starts low, no warm-up
+    assert fresh.best_gamma() >= 3
+    assert informed.best_gamma() <= 2  # steep verify already known: starts low, no warm-up
+    assert informed.alpha == pytest.approx(costs.alpha(0.6)) and informed.alpha > 0.7
+
+
+def test_an_early_rejection_does_not_switch_a_new_session_off():
+    """A new session's α̂ is shrunk towards what the coordinator has seen: one unlucky first
+    round does not send it to γ = 0 for many rounds (negative control: a private cost model)."""
+    costs = CostModel()
+    Sim(0.8, 0.001, 0.02, 0.0, 0.002, seed=5).run(AdaptiveGamma(max_gamma=8, costs=costs), 100)
+    unlucky = Sim(0.8, 0.001, 0.02, 0.0, 0.002, seed=5).timing(4)
+    shared, alone = AdaptiveGamma(max_gamma=8, costs=costs), AdaptiveGamma(max_gamma=8)
+    for policy in (shared, alone):
+        policy.observe(4, 0, True, unlucky)
+    assert shared.best_gamma() >= 4
+    assert alone.alpha < 0.5
