@@ -261,3 +261,27 @@ def test_an_early_rejection_does_not_switch_a_new_session_off():
         policy.observe(4, 0, True, unlucky)
     assert shared.best_gamma() >= 4
     assert alone.alpha < 0.5
+
+
+def test_a_verify_pass_reported_by_many_sessions_is_fitted_once():
+    def passes(costs, seq):
+        for n, (positions, seconds) in enumerate([(4, 0.010), (8, 0.014), (16, 0.022)]):
+            for _session in range(4):  # every session of the pass reports it
+                timing = RoundTiming(
+                    round_s=seconds,
+                    verify_s=seconds,
+                    verify_forward_s=seconds,
+                    batch_size=4,
+                    batch_positions=positions,
+                    batch_seq=n + 1 if seq else None,
+                    worker="t0",
+                )
+                costs.observe(0, timing)
+
+    once, repeated = CostModel(fit_decay=0.5), CostModel(fit_decay=0.5)
+    passes(once, seq=True)
+    passes(repeated, seq=False)  # negative control: without batch_seq each report counts
+    assert once.verify_fit.w == pytest.approx(1 + 0.5 + 0.25)
+    assert repeated.verify_fit.w > once.verify_fit.w
+    intercept, slope = once.verify_fit.coefficients()
+    assert slope == pytest.approx(0.001) and intercept == pytest.approx(0.006)
