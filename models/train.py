@@ -178,8 +178,10 @@ def make_model(cfg, eos):
 
 
 def train(name, model, steps, lr, loss_fn, stream, salt, work):
-    """AdamW + linear warmup + cosine decay to 10%; checkpoints every 25 steps, resumes."""
+    """AdamW + linear warmup + cosine decay to 10%; checkpoints every 25 steps, resumes (only
+    a checkpoint of the same run: architecture, steps and learning rate)."""
     ckpt = work / f"{name}.ckpt"
+    meta = run_meta(model, steps, lr)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -188,6 +190,9 @@ def train(name, model, steps, lr, loss_fn, stream, salt, work):
         betas=(0.9, 0.95),
     )
     step, elapsed = 0, 0.0
+    if ckpt.exists() and torch.load(ckpt).get("meta") != meta:
+        log(f"{name}: {ckpt} is from another run; starting over")
+        ckpt.unlink()
     if ckpt.exists():
         st = torch.load(ckpt)
         model.load_state_dict(st["model"])
@@ -224,6 +229,7 @@ def train(name, model, steps, lr, loss_fn, stream, salt, work):
                     "model": model.state_dict(),
                     "opt": opt.state_dict(),
                     "step": step,
+                    "meta": meta,
                     "elapsed": time.time() - t0,
                 },
                 ckpt,
@@ -236,6 +242,17 @@ def train(name, model, steps, lr, loss_fn, stream, salt, work):
         "seq_len": SEQ,
         "peak_lr": lr,
     }
+
+
+def run_meta(model, steps, lr):
+    """What identifies a training run (a checkpoint or a finished model belongs to it)."""
+    return {"config": model.config.to_diff_dict(), "steps": steps, "lr": lr, "seed": SEED}
+
+
+def done(work, name, meta):
+    """Whether `name` was finished by the same run (its marker holds the run's meta)."""
+    marker = work / f"{name}.done"
+    return marker.exists() and marker.read_text().strip() == json.dumps(meta, sort_keys=True)
 
 
 def ce_loss(model, x):
@@ -405,16 +422,20 @@ def main():
     data = build_tokenizer_and_data(out, work)
 
     t_steps, d_steps = args.target_steps, args.draft_steps
-    if not (out / "target" / "model.safetensors").exists() or not (work / "target.done").exists():
-        target = make_model(TARGET_CFG, data["eos"])
+    target = make_model(TARGET_CFG, data["eos"])
+    t_meta = run_meta(target, t_steps, 8e-4)
+    if not (out / "target" / "model.safetensors").exists() or not done(work, "target", t_meta):
         log(
             f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M params, {t_steps} steps"
         )
         info = train("target", target, t_steps, 8e-4, ce_loss, data["train"], 1, work)
         export(target, out / "target", {"arch": TARGET_CFG, "train": info})
-        (work / "target.done").write_text("ok\n")
+        (work / "target.done").write_text(json.dumps(t_meta, sort_keys=True) + "\n")
+    del target
 
-    if not (out / "draft" / "model.safetensors").exists() or not (work / "draft.done").exists():
+    draft = make_model(DRAFT_CFG, data["eos"])
+    d_meta = {**run_meta(draft, d_steps, 2e-3), "teacher": t_meta}
+    if not (out / "draft" / "model.safetensors").exists() or not done(work, "draft", d_meta):
         teacher = load(out / "target")  # distill from the fp16 weights actually shipped
         for p in teacher.parameters():
             p.requires_grad_(False)
@@ -434,7 +455,7 @@ def main():
         info = train("draft", draft, d_steps, 2e-3, kd_loss, data["train"], 2, work)
         info["objective"] = "KL(target || draft), temperature 1"
         export(draft, out / "draft", {"arch": DRAFT_CFG, "train": info})
-        (work / "draft.done").write_text("ok\n")
+        (work / "draft.done").write_text(json.dumps(d_meta, sort_keys=True) + "\n")
         del teacher
 
     m = evaluate(out, data, args.eval_prompts)
