@@ -18,6 +18,10 @@ class DraftSettings(WorkerSettings):
     port: int = opt(50061, "gRPC port (0 = pick a free one)")
     max_speculative_tokens: int = opt(16, "largest γ accepted by Propose")
     max_batch_size: int = opt(32, "most sessions drafted in one batched forward")
+    max_wait_ms: float = opt(
+        10.0,
+        "most a batch waits for the other recently active sessions (also at most half a forward)",
+    )
     proposer: str = opt(
         "model", "model (a draft LM) | ngram (prompt lookup, no model)", ["model", "ngram"]
     )

@@ -39,6 +39,7 @@ class KVSession:
         self.kv_len = 0  # tokens[:kv_len] have KV computed
         self.keys: list[torch.Tensor] = []  # per layer [heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
+        self.writes = 0  # bumped whenever KV is written (a batch's copy of it is then stale)
         self._nbytes = 0
 
     @property
@@ -90,6 +91,7 @@ class KVSession:
             self.keys[layer][:, self.kv_len : need] = k
             self.values[layer][:, self.kv_len : need] = v
         self.kv_len = need
+        self.writes += 1
 
     def _grow(self, capacity: int, like: list[torch.Tensor]) -> None:
         grown_k, grown_v = [], []

@@ -239,9 +239,17 @@ class AdaptiveGamma:
         """Predicted wall time of one round with γ candidates."""
         return self.draft_s(gamma) + self.verify_s(gamma) + self.costs.rest.get(0.0)
 
+    def planning_alpha(self) -> float:
+        """The α̂ γ is planned with: the session's own when it verifies alone; in batches (N ≥
+        1.5) the coordinator-wide α̂, so that the sessions sharing a pass choose the same γ (a
+        pass computes N x the LONGEST block: mixed γ would pad every session to the largest)."""
+        if self.costs.batch_size.get(1.0) >= 1.5:
+            return self.costs.alpha(self.prior_alpha)
+        return self.alpha
+
     def expected_rate(self, gamma: int) -> float:
         """Expected committed tokens per second with γ candidates."""
-        return expected_tokens(self.alpha, gamma) / max(self.round_s(gamma), 1e-12)
+        return expected_tokens(self.planning_alpha(), gamma) / max(self.round_s(gamma), 1e-12)
 
     def best_gamma(self) -> int:
         """The γ in [0, max_gamma] maximising `expected_rate`; ties go to the smaller γ."""

@@ -46,6 +46,85 @@ class BufferLayer(DynamicLayer):
         return self.length
 
 
+BATCH_KV_HEADROOM = 128  # columns a batch's KV buffers get beyond what the first pass needs
+
+
+class BatchKV:
+    """A batch's KV in [B, heads, capacity, dim] buffers per layer, kept across forward passes.
+
+    Row i holds session i's KV at the columns `cols[i]` (its positions, in order). A crop
+    only forgets columns, which become holes that the attention mask hides, and every pass
+    writes its new tokens at the same columns [width, width + max_new) of every row, with the
+    true positions in position_ids. So when the same sessions come back (every round under
+    steady load) nothing is copied; a row is valid only while its session saw no other KV
+    write (`KVSession.writes`), and a full buffer is rebuilt compactly.
+    """
+
+    def __init__(self, sessions: list[KVSession], keys, values, cols: list[list[int]], width):
+        self.sessions = list(sessions)
+        self.keys, self.values = keys, values
+        self.cols = cols
+        self.width = width
+        self.writes = [s.writes for s in sessions]
+        self.capacity = keys[0].shape[2]
+
+    @classmethod
+    def build(cls, sessions: list[KVSession], max_cached: int, extra: int) -> BatchKV:
+        """A fresh copy, each row's KV left-padded to end at column max_cached."""
+        reference = next(s for s in sessions if s.kv_len > 0)
+        keys, values = [], []
+        for layer in range(len(reference.keys)):
+            heads, _, dim = reference.keys[layer].shape
+            like = reference.keys[layer]
+            shape = (len(sessions), heads, max_cached + extra, dim)
+            k = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            v = torch.zeros_like(k)
+            for i, session in enumerate(sessions):
+                if session.kv_len:
+                    sk, sv = session.kv(layer)
+                    k[i, :, max_cached - session.kv_len : max_cached] = sk
+                    v[i, :, max_cached - session.kv_len : max_cached] = sv
+            keys.append(k)
+            values.append(v)
+        cols = [list(range(max_cached - s.kv_len, max_cached)) for s in sessions]
+        return cls(sessions, keys, values, cols, max_cached)
+
+    def reusable(self, sessions: list[KVSession], max_new: int) -> bool:
+        """Whether these sessions are this batch's, unchanged but for crops, with room left;
+        if so, forget the cropped columns."""
+        if len(sessions) != len(self.sessions) or self.width + max_new > self.capacity:
+            return False
+        for i, session in enumerate(sessions):
+            if (
+                session is not self.sessions[i]
+                or session.writes != self.writes[i]
+                or session.kv_len > len(self.cols[i])
+            ):
+                return False
+        for i, session in enumerate(sessions):
+            del self.cols[i][session.kv_len :]
+        return True
+
+    def cache(self) -> Cache:
+        return Cache(layers=[BufferLayer(k, v, self.width) for k, v in zip(self.keys, self.values)])
+
+    def mask(self, lengths: list[int], max_new: int) -> torch.Tensor:
+        """Attention mask [B, width + max_new]: each row's KV columns and its new tokens."""
+        mask = torch.zeros(len(self.sessions), self.width + max_new, dtype=torch.long)
+        for i, cols in enumerate(self.cols):
+            if cols:
+                mask[i, torch.tensor(cols)] = 1
+            mask[i, self.width : self.width + lengths[i]] = 1
+        return mask
+
+    def advance(self, lengths: list[int], max_new: int) -> None:
+        """After a pass: the new tokens' columns join their rows."""
+        for i, session in enumerate(self.sessions):
+            self.cols[i].extend(range(self.width, self.width + lengths[i]))
+            self.writes[i] = session.writes
+        self.width += max_new
+
+
 @dataclass(frozen=True)
 class RuntimeSettings:
     model_dir: str
@@ -106,6 +185,7 @@ class ModelRuntime:
         self.vocab_fingerprint = vocab_fingerprint(self.tokenizer)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = [] if eos is None else [int(eos)]
+        self._last_batch: BatchKV | None = None  # model thread only
 
     def kv_bytes_per_token(self, session: KVSession) -> int:
         return session.nbytes // max(1, session.capacity)
@@ -136,11 +216,15 @@ class ModelRuntime:
             attention[i, max_cached - cached[i] : max_cached + lengths[i]] = 1
             positions[i] = cached[i] + torch.arange(max_new)
         in_place = batch == 1 and cached[0] > 0  # a lone session: its own buffers are the cache
+        reused = None
         if in_place:
             sessions[0].reserve(cached[0] + max_new)
             cache = self._session_cache(sessions[0])
+        elif max_cached > 0:
+            reused = self._batch_kv(sessions, max_cached, max_new)
+            cache, attention = reused.cache(), reused.mask(lengths, max_new)
         else:
-            cache = self._padded_cache(sessions, max_cached, max_new)
+            cache = DynamicCache(config=self.model.config)
         out = self.model(
             input_ids=input_ids.to(self.device),
             attention_mask=None if in_place else attention.to(self.device),
@@ -154,14 +238,18 @@ class ModelRuntime:
             start = session.kv_len
             if in_place:
                 session.kv_len += lengths[i]
+                session.writes += 1
             else:
-                new = slice(max_cached, max_cached + lengths[i])
+                start_col = reused.width if reused is not None else 0
+                new = slice(start_col, start_col + lengths[i])
                 session.append_kv(
                     [layer.keys[i, :, new] for layer in cache.layers],
                     [layer.values[i, :, new] for layer in cache.layers],
                 )
             session.tokens[start : start + lengths[i]] = inputs[i]
             results.append(logits[i, : lengths[i]].cpu())
+        if reused is not None:
+            reused.advance(lengths, max_new)
         return results
 
     def _session_cache(self, session: KVSession) -> Cache:
@@ -173,28 +261,13 @@ class ModelRuntime:
             ]
         )
 
-    def _padded_cache(self, sessions: list[KVSession], max_cached: int, max_new: int) -> Cache:
-        """Buffers [B, heads, max_cached + max_new, dim] per layer, cached KV left-padded."""
-        if max_cached == 0:
-            return DynamicCache(config=self.model.config)
-        reference = next(s for s in sessions if s.kv_len > 0)
-        layers = []
-        for layer in range(len(reference.keys)):
-            heads, _, dim = reference.keys[layer].shape
-            template = reference.keys[layer]
-            keys = torch.zeros(
-                len(sessions),
-                heads,
-                max_cached + max_new,
-                dim,
-                dtype=template.dtype,
-                device=template.device,
-            )
-            values = torch.zeros_like(keys)
-            for i, session in enumerate(sessions):
-                if session.kv_len:
-                    k, v = session.kv(layer)
-                    keys[i, :, max_cached - session.kv_len : max_cached] = k
-                    values[i, :, max_cached - session.kv_len : max_cached] = v
-            layers.append(BufferLayer(keys, values, max_cached))
-        return Cache(layers=layers)
+    def _batch_kv(self, sessions: list[KVSession], max_cached: int, max_new: int) -> BatchKV:
+        """The batch's KV as [B, heads, capacity, dim] buffers per layer: the previous batch's
+        buffers when the same sessions come back unchanged but for crops (the common case
+        under steady load: nothing is copied), else a fresh left-padded copy."""
+        previous = self._last_batch
+        if previous is not None and previous.reusable(sessions, max_new):
+            return previous
+        self._last_batch = None  # free the old copy before making a new one
+        self._last_batch = BatchKV.build(sessions, max_cached, max_new + BATCH_KV_HEADROOM)
+        return self._last_batch

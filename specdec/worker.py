@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -168,6 +169,9 @@ class _Pending:
     enqueued: float = field(default_factory=time.perf_counter_ns)
 
 
+log = logging.getLogger(__name__)
+
+
 class BatchRun(NamedTuple):
     """One item's result and the batched pass it ran in."""
 
@@ -182,11 +186,15 @@ class BatchRun(NamedTuple):
 class Batcher:
     """Collects concurrent requests into batches run by ONE model thread.
 
-    A batch closes when it holds max_batch_size items or max_batch_tokens tokens, or
-    max_wait_ms after its first item arrived, or as soon as it holds every session that was
-    active in the last second (so a lone session never waits). Items that arrive while the
-    model is busy form the next batch. `process(items)` runs in the model thread and
-    returns one result per item (an Exception instance fails only that item).
+    A batch closes when it holds max_batch_size items or max_batch_tokens tokens, or as soon
+    as it holds every session that was active in the last second and not released since (so a
+    lone session never waits), or when waiting for the rest has taken `wait_fraction` of a
+    recent forward pass (EWMA) or max_wait_ms, whichever is less. Waiting pays because a
+    forward pass has a large fixed cost (per-layer work that does not grow with the batch):
+    sessions whose results came back together return one after another as their coordinator
+    handles them, and closing early would split them into several small, costly passes.
+    Items that arrive while the model is busy form the next batch. `process(items)` runs in
+    the model thread and returns one result per item (an Exception instance fails only it).
     """
 
     def __init__(
@@ -195,8 +203,11 @@ class Batcher:
         max_batch_size: int,
         max_batch_tokens: int,
         max_wait_ms: float,
+        wait_fraction: float = 0.5,
     ):
         self.process = process
+        self.wait_fraction = wait_fraction
+        self.forward_s = 0.0  # EWMA of the forward time of a batch
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_ms / 1000.0
@@ -223,6 +234,10 @@ class Batcher:
             del self._recent[key]
         return max(1, len(self._recent))
 
+    def forget(self, session_id: str) -> None:
+        """A released session will not come back: batches stop waiting for it."""
+        self._recent.pop(session_id, None)
+
     async def submit(self, item, tokens: int):
         """Queue one item; returns its `BatchRun` once the batch it joined has run."""
         session = getattr(item, "session", None)
@@ -239,7 +254,7 @@ class Batcher:
         first = self._carry or await self.queue.get()
         self._carry = None
         batch, tokens = [first], first.tokens
-        deadline = time.perf_counter() + self.max_wait_s
+        deadline = time.perf_counter() + min(self.max_wait_s, self.wait_fraction * self.forward_s)
         expected = self._active_sessions()
         while len(batch) < self.max_batch_size:
             try:
@@ -273,6 +288,16 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - fail this batch's calls, keep serving
                 results = [exc] * len(batch)
             forward_ns = time.perf_counter_ns() - start
+            last = forward_ns / 1e9
+            log.debug(
+                "batch %d: %d items, %d positions, waited %.1f ms, forward %.1f ms",
+                self.batches_run + 1,
+                len(batch),
+                len(batch) * max(p.tokens for p in batch),
+                (start - batch[0].enqueued) / 1e6,
+                last * 1000,
+            )
+            self.forward_s = 0.8 * self.forward_s + 0.2 * last if self.forward_s else last
             positions = len(batch) * max(p.tokens for p in batch)
             self.batches_run += 1
             for pending, result in zip(batch, results):
@@ -350,6 +375,7 @@ class WorkerService:
     async def Release(self, request, context):
         async with self.table.hold(request.session_id):
             released = self.table.release(request.session_id)
+        self.batcher.forget(request.session_id)
         return common_pb2.ReleaseResponse(released_tokens=released)
 
     @rpc

@@ -17,7 +17,10 @@ class TargetSettings(WorkerSettings):
     max_kv_mb: int = opt(4096, "KV cache memory budget in MiB (LRU eviction beyond)")
     max_speculative_tokens: int = opt(16, "largest γ accepted by Verify")
     max_batch_size: int = opt(32, "most sessions verified in one forward pass")
-    max_wait_ms: float = opt(2.0, "how long a batch waits for more sessions after its first")
+    max_wait_ms: float = opt(
+        50.0,
+        "most a batch waits for the other recently active sessions (also at most half a forward)",
+    )
     max_batch_tokens: int = opt(
         4096, "most tokens (cached-uncomputed + candidates) in one forward pass"
     )

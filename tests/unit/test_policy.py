@@ -207,7 +207,7 @@ def test_choice_is_the_argmax_of_the_model(
     )
     for i in range(30):
         sim.round(policy, i % (max_gamma + 1))
-    sim.alpha = policy.alpha  # compare the cost model at the policy's own α̂
+    sim.alpha = policy.planning_alpha()  # compare the cost model at the α̂ the policy plans with
     rates = [sim.rate(g) for g in range(max_gamma + 1)]
     for g in range(max_gamma + 1):
         assert policy.expected_rate(g) == pytest.approx(rates[g], rel=1e-6)
@@ -285,3 +285,14 @@ def test_a_verify_pass_reported_by_many_sessions_is_fitted_once():
     assert repeated.verify_fit.w > once.verify_fit.w
     intercept, slope = once.verify_fit.coefficients()
     assert slope == pytest.approx(0.001) and intercept == pytest.approx(0.006)
+
+
+def test_sessions_sharing_a_batch_plan_with_the_same_alpha():
+    costs = CostModel()
+    easy, hard = AdaptiveGamma(max_gamma=8, costs=costs), AdaptiveGamma(max_gamma=8, costs=costs)
+    Sim(0.95, 0.001, 0.02, 0.0, 0.002, seed=6).run(easy, 60)
+    Sim(0.2, 0.001, 0.02, 0.0, 0.002, seed=7).run(hard, 60)
+    assert easy.best_gamma() != hard.best_gamma()  # alone: each plans with its own α̂
+    Sim(0.6, 0.001, 0.02, 0.0005, 0.002, batch=8).run(AdaptiveGamma(8, costs=costs), 30)
+    assert easy.planning_alpha() == hard.planning_alpha() == costs.alpha(0.6)
+    assert easy.best_gamma() == hard.best_gamma()  # batched: one γ, no padding to the longest

@@ -85,6 +85,40 @@ def test_batched_forward_equals_one_at_a_time(runtime):
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
+def test_rounds_of_a_batch_reuse_its_kv_and_equal_one_at_a_time(runtime):
+    """Verify-like rounds on the same batch: candidates in, a random number kept (crop), the
+    rest become holes in the reused batch buffers; every round's logits equal a fresh forward
+    of the true history. A session written elsewhere, or a new batch, gets a fresh copy."""
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(1, runtime.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    sessions = []
+    for i, n in enumerate((4, 19, 9)):
+        session = KVSession(str(i))
+        session.sync(rand(n))
+        runtime.forward([session], [session.pending()])
+        sessions.append(session)
+    builds = 0
+    for round_ in range(12):
+        if round_ == 6:  # another write to one session: its batch copy must not be used
+            runtime.forward([sessions[1]], [rand(2)])
+        previous = runtime._last_batch
+        blocks = [
+            s.pending() + rand(int(torch.randint(1, 5, (1,), generator=gen))) for s in sessions
+        ]
+        if round_ == 8:
+            blocks[2] = rand(3)  # a session with nothing pending: feeds just candidates
+        before = [list(s.tokens) for s in sessions]
+        out = runtime.forward(sessions, blocks)
+        builds += runtime._last_batch is not previous
+        for session, history, block, logits in zip(sessions, before, blocks, out):
+            full = history[: session.kv_len - len(block)] + block
+            expected = fresh_logits(runtime, full)[-len(block) :]
+            assert torch.allclose(logits, expected, atol=ATOL), round_
+            keep = len(full) - int(torch.randint(0, len(block), (1,), generator=gen))
+            session.crop(keep)  # a rejection: the tail becomes a hole in the batch buffers
+    assert 2 <= builds <= 4  # the first round, after the outside write, and when full
+
+
 def test_fingerprint_and_prefix():
     assert fingerprint([1, 2, 3]) == fingerprint([1, 2, 3])
     assert fingerprint([1, 2, 3]) != fingerprint([1, 2, 4]) != fingerprint([1, 2])
