@@ -134,6 +134,8 @@ class CostModel:
         self.rejections = 0.0
         self.alpha_decay = 0.99
         self._seen: deque[tuple[str, int]] = deque(maxlen=256)  # recent verify passes
+        self.passes = 0  # verify passes fitted so far
+        self.batch_plan: tuple[int, int] | None = None  # (passes, γ) every batched session uses
 
     @property
     def empty(self) -> bool:
@@ -163,6 +165,7 @@ class CostModel:
         if t.batch_seq is None or key not in self._seen:
             self._seen.append(key)
             self.verify_fit.add(positions, v_fwd)
+            self.passes += 1
         self.batch_size.add(t.batch_size)
         if v_fwd > 0:
             self.verify_queue.add(t.verify_queue_s / v_fwd)
@@ -243,7 +246,7 @@ class AdaptiveGamma:
         """The α̂ γ is planned with: the session's own when it verifies alone; in batches (N ≥
         1.5) the coordinator-wide α̂, so that the sessions sharing a pass choose the same γ (a
         pass computes N x the LONGEST block: mixed γ would pad every session to the largest)."""
-        if self.costs.batch_size.get(1.0) >= 1.5:
+        if self.batched():
             return self.costs.alpha(self.prior_alpha)
         return self.alpha
 
@@ -251,8 +254,23 @@ class AdaptiveGamma:
         """Expected committed tokens per second with γ candidates."""
         return expected_tokens(self.planning_alpha(), gamma) / max(self.round_s(gamma), 1e-12)
 
+    def batched(self) -> bool:
+        return self.costs.batch_size.get(1.0) >= 1.5
+
     def best_gamma(self) -> int:
-        """The γ in [0, max_gamma] maximising `expected_rate`; ties go to the smaller γ."""
+        """The γ in [0, max_gamma] maximising `expected_rate`; ties go to the smaller γ.
+
+        In batches the first session to plan after a new verify pass fixes γ for every
+        session until the next pass: the estimates move a little with each session's own
+        observations, and near a tie that would otherwise mix γ within one pass."""
+        if not self.batched():
+            return self._argmax()
+        plan = self.costs.batch_plan
+        if plan is None or plan[0] != self.costs.passes:
+            plan = self.costs.batch_plan = (self.costs.passes, self._argmax())
+        return min(plan[1], self.max_gamma)
+
+    def _argmax(self) -> int:
         best, best_rate = 0, self.expected_rate(0)
         for gamma in range(1, self.max_gamma + 1):
             rate = self.expected_rate(gamma)

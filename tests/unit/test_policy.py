@@ -296,3 +296,18 @@ def test_sessions_sharing_a_batch_plan_with_the_same_alpha():
     Sim(0.6, 0.001, 0.02, 0.0005, 0.002, batch=8).run(AdaptiveGamma(8, costs=costs), 30)
     assert easy.planning_alpha() == hard.planning_alpha() == costs.alpha(0.6)
     assert easy.best_gamma() == hard.best_gamma()  # batched: one γ, no padding to the longest
+
+
+def test_batched_sessions_keep_one_gamma_until_the_next_verify_pass():
+    costs = CostModel()
+    sessions = [AdaptiveGamma(max_gamma=8, costs=costs, explore_every=0) for _ in range(4)]
+    sim = Sim(0.7, 0.002, 0.02, 0.0008, 0.003, batch=4)
+    for n in range(40):
+        chosen = {policy.choose() for policy in sessions}
+        assert len(chosen) == 1, (n, chosen)  # one γ per pass
+        gamma = chosen.pop()
+        for i, policy in enumerate(sessions):
+            timing = sim.timing(gamma)
+            timing.batch_seq, timing.worker = n + 1, "t0"
+            timing.round_s += 0.001 * i  # each session's own overheads differ a little
+            policy.observe(gamma, min(gamma, 2), gamma > 2, timing)
