@@ -1,0 +1,79 @@
+"""The benchmark's arithmetic: per-request timing, acceptance sums, queueing of the HF peers,
+and the performance-model bound (hand-computed cases)."""
+
+import math
+
+import pytest
+
+from bench import metrics
+from bench.tables import render
+
+
+def record(latency, ttft, tokens, first=1, stats=None):
+    return {
+        "latency_s": latency,
+        "ttft_s": ttft,
+        "generated_tokens": tokens,
+        "first_chunk_tokens": first,
+        "stats": stats or {},
+    }
+
+
+def test_timing_of_a_run():
+    runs = [record(1.1, 0.1, 11), record(2.2, 0.2, 21, first=1)]
+    t = metrics.timing(runs, wall_s=2.5)
+    assert t["tokens_per_s"] == pytest.approx(32 / 2.5)
+    assert t["tokens_per_s_per_request"] == pytest.approx((11 / 1.1 + 21 / 2.2) / 2)
+    # TPOT: (latency - ttft) / tokens after the first arrival = 0.1 s for both
+    assert t["tpot_ms_p50"] == pytest.approx(100.0) and t["tpot_ms_p95"] == pytest.approx(100.0)
+    assert t["ttft_ms_p50"] == pytest.approx(150.0)
+    assert metrics.percentile([1, 2, 3, 4], 50) == 2.5 and math.isnan(metrics.percentile([], 50))
+    # a request whose first arrival held every token has no TPOT
+    assert math.isnan(metrics.tpot_s(record(1.0, 0.5, 4, first=4)))
+
+
+def test_acceptance_sums_requests_and_recovers_rejections():
+    a = {"rounds": 10, "draft_tokens": 40, "accepted_tokens": 24, "alpha": 24 / 30}
+    a["accepted_per_position"] = [8, 7, 5, 4]
+    a["mean_speculative_tokens"] = 4.0
+    b = {"rounds": 5, "draft_tokens": 10, "accepted_tokens": 5, "alpha": 0.5}
+    b["accepted_per_position"] = [3, 2]
+    b["mean_speculative_tokens"] = 2.0
+    acc = metrics.acceptance([record(1, 0.1, 10, stats=a), record(1, 0.1, 10, stats=b)])
+    assert acc["rejection_rounds"] == 6 + 5
+    assert acc["acceptance_rate"] == pytest.approx(29 / 50)
+    assert acc["mean_acceptance_length"] == pytest.approx((29 + 15) / 15)
+    assert acc["accepted_per_position"] == pytest.approx([11 / 15, 9 / 15, 5 / 15, 4 / 15])
+    assert acc["alpha"] == pytest.approx(29 / 40)
+    assert acc["mean_gamma"] == pytest.approx((40 + 10) / 15)
+    off = metrics.acceptance([record(1, 0.1, 10, stats={"rounds": 10})])
+    assert off["acceptance_rate"] is None and off["mean_acceptance_length"] is None
+
+
+def test_sequential_service_queues_concurrent_requests():
+    runs = [record(1.0, 0.1, 10), record(2.0, 0.2, 10), record(1.0, 0.1, 10)]
+    queued, wall = metrics.sequential_service(runs, concurrency=2)
+    assert wall == pytest.approx(4.0)
+    # request 1 is sent at 0 but starts at 1; request 2 is sent when request 0 ends (1) and
+    # starts when request 1 ends (3)
+    assert [q["ttft_s"] for q in queued] == pytest.approx([0.1, 1.2, 2.1])
+    assert [q["latency_s"] for q in queued] == pytest.approx([1.0, 3.0, 3.0])
+    alone, _ = metrics.sequential_service(runs, concurrency=1)
+    assert [q["latency_s"] for q in alone] == pytest.approx([1.0, 2.0, 1.0])
+
+
+def test_model_bound_matches_the_performance_model():
+    costs = {"c": 0.1, "v": {"1": 1.2, "2": 1.4, "4": 1.8}, "target_step_ms": 20.0}
+    bound = metrics.model_bound(0.7, 4, costs)
+    expected = (1 - 0.7**5) / 0.3 / (4 * 0.1 + 1.8)
+    assert bound["speedup"] == pytest.approx(expected)
+    assert bound["tokens_per_s"] == pytest.approx(expected * 50.0)
+    assert metrics.interpolate_v(costs["v"], 3) == pytest.approx(1.6)
+    assert metrics.interpolate_v(costs["v"], 0.5) == pytest.approx(1.1)
+    assert metrics.model_bound(0.7, 0, costs, rho=0.25)["speedup"] == pytest.approx(0.8)
+
+
+def test_render_needs_a_full_result():
+    """The report renderer refuses a result without its rows (no silent empty report)."""
+    with pytest.raises((KeyError, TypeError)):
+        render({})
