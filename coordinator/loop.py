@@ -341,10 +341,10 @@ class SessionRun:
         if reason == FinishReason.CANCELLED:
             self.output.finish(reason)
         self.finish_reason = reason  # commit before stream (invariant 4)
-        self._observe(len(candidates), accepted, tokens, reason, time.perf_counter() - t0)
+        round_s = time.perf_counter() - t0
+        self._observe(len(candidates), accepted, tokens, reason, round_s)
         self.changed.set()
         self.changed = asyncio.Event()
-        round_s = time.perf_counter() - t0
         timing = RoundTiming(
             round_s=round_s,
             draft_s=t1 - t0,

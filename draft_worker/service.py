@@ -49,12 +49,15 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
             item = ProposeItem(
                 session, request.base.base_len, gamma, params, request.seed, token_only
             )
-            outcome, queue_ns, forward_ns, batch_size = (await self.batcher.submit(item, gamma))[:4]
+            run = await self.batcher.submit(item, gamma)
+            outcome = run.result
             # the session holds all its candidates (the last has no KV yet), so after a round
             # with n accepted the caller sends the delta from base_len + n whatever n is
             session.tokens[request.base.base_len :] = outcome.candidates
         self.table.enforce_memory()
-        self.record_batch(queue_ns, forward_ns, batch_size, outcome.computed_tokens + gamma)
+        self.record_batch(
+            run.queue_ns, run.forward_ns, run.batch_size, outcome.computed_tokens + gamma
+        )
         dists = [
             common_pb2.SparseDist(token_ids=ids, weights=weights)
             for ids, weights in zip(outcome.dist_ids, outcome.dist_weights)
@@ -63,8 +66,8 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
             candidate_ids=outcome.candidates,
             draft_dists=dists,
             token_only=outcome.token_only,
-            queue_ns=queue_ns,
-            forward_ns=forward_ns,
+            queue_ns=run.queue_ns,
+            forward_ns=run.forward_ns,
             total_ns=time.perf_counter_ns() - start,
             computed_tokens=outcome.computed_tokens,
         )

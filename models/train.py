@@ -439,7 +439,6 @@ def main():
         teacher = load(out / "target")  # distill from the fp16 weights actually shipped
         for p in teacher.parameters():
             p.requires_grad_(False)
-        draft = make_model(DRAFT_CFG, data["eos"])
         log(
             f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, {d_steps} steps"
         )

@@ -36,7 +36,6 @@ everything else is free, so the first rounds use a moderate γ.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from specdec.perf_model import expected_tokens
@@ -133,7 +132,7 @@ class CostModel:
         self.accepted = 0.0  # over all sessions: the prior of a session's α̂
         self.rejections = 0.0
         self.alpha_decay = 0.99
-        self._seen: deque[tuple[str, int]] = deque(maxlen=256)  # recent verify passes
+        self._last_pass: dict[str, int] = {}  # target worker -> last verify pass fitted
         self.passes = 0  # verify passes fitted so far
         self.batch_plan: tuple[int, int] | None = None  # (passes, γ) every batched session uses
 
@@ -161,9 +160,11 @@ class CostModel:
         t.check()
         v_fwd = t.verify_s if t.verify_forward_s is None else t.verify_forward_s
         positions = t.batch_positions or (gamma + 1) * t.batch_size
-        key = (t.worker, t.batch_seq)  # each session of a pass reports it: fit the pass once
-        if t.batch_seq is None or key not in self._seen:
-            self._seen.append(key)
+        # every session of a pass reports it, one after another: fit each pass once (`!=`, not
+        # `>`: a restarted worker numbers its passes from 1 again)
+        if t.batch_seq is None or t.batch_seq != self._last_pass.get(t.worker):
+            if t.batch_seq is not None:
+                self._last_pass[t.worker] = t.batch_seq
             self.verify_fit.add(positions, v_fwd)
             self.passes += 1
         self.batch_size.add(t.batch_size)

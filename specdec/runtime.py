@@ -209,25 +209,24 @@ class ModelRuntime:
         lengths = [len(t) for t in inputs]
         max_cached, max_new = max(cached), max(lengths)
         input_ids = torch.zeros(batch, max_new, dtype=torch.long)
-        attention = torch.zeros(batch, max_cached + max_new, dtype=torch.long)
         positions = torch.zeros(batch, max_new, dtype=torch.long)
         for i, tokens in enumerate(inputs):
             input_ids[i, : lengths[i]] = torch.tensor(tokens)
-            attention[i, max_cached - cached[i] : max_cached + lengths[i]] = 1
             positions[i] = cached[i] + torch.arange(max_new)
         in_place = batch == 1 and cached[0] > 0  # a lone session: its own buffers are the cache
-        reused = None
+        reused, attention = None, None
         if in_place:
             sessions[0].reserve(cached[0] + max_new)
             cache = self._session_cache(sessions[0])
         elif max_cached > 0:
             reused = self._batch_kv(sessions, max_cached, max_new)
             cache, attention = reused.cache(), reused.mask(lengths, max_new)
-        else:
+        else:  # nothing cached yet: right-padded inputs only
             cache = DynamicCache(config=self.model.config)
+            attention = (torch.arange(max_new)[None] < torch.tensor(lengths)[:, None]).long()
         out = self.model(
             input_ids=input_ids.to(self.device),
-            attention_mask=None if in_place else attention.to(self.device),
+            attention_mask=None if attention is None else attention.to(self.device),
             position_ids=positions.to(self.device),
             past_key_values=cache,
             use_cache=True,

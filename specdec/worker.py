@@ -19,6 +19,8 @@ from specdec.kv import KVSession, fingerprint
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2
 
+log = logging.getLogger(__name__)
+
 
 def sampling_from_proto(msg, prefix: str = "sampling") -> SamplingParams:
     params = SamplingParams(
@@ -169,9 +171,6 @@ class _Pending:
     enqueued: float = field(default_factory=time.perf_counter_ns)
 
 
-log = logging.getLogger(__name__)
-
-
 class BatchRun(NamedTuple):
     """One item's result and the batched pass it ran in."""
 
@@ -289,17 +288,17 @@ class Batcher:
                 results = [exc] * len(batch)
             forward_ns = time.perf_counter_ns() - start
             last = forward_ns / 1e9
-            log.debug(
-                "batch %d: %d items, %d positions, waited %.1f ms, forward %.1f ms",
-                self.batches_run + 1,
-                len(batch),
-                len(batch) * max(p.tokens for p in batch),
-                (start - batch[0].enqueued) / 1e6,
-                last * 1000,
-            )
             self.forward_s = 0.8 * self.forward_s + 0.2 * last if self.forward_s else last
             positions = len(batch) * max(p.tokens for p in batch)
             self.batches_run += 1
+            log.debug(
+                "batch %d: %d items, %d positions, waited %.1f ms, forward %.1f ms",
+                self.batches_run,
+                len(batch),
+                positions,
+                (start - batch[0].enqueued) / 1e6,
+                last * 1000,
+            )
             for pending, result in zip(batch, results):
                 if pending.future.done():
                     continue
