@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from specdec.kv import fingerprint
+from specdec.core.prefix import fingerprint
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 TIMEOUT_S = 60.0

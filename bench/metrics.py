@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 
-from specdec import perf_model
+from specdec.core import perf_model
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -154,8 +154,8 @@ class BenchStack:
 
     def start(self) -> None:
         from bench.serving import run_load_sync
-        from specdec.redis_embedded import free_port
-        from specdec.stack import Stack, StackSettings
+        from specdec.launcher.stack import Stack, StackSettings
+        from specdec.serving.redis_embedded import free_port
 
         args = self.args
         self.stack = Stack(

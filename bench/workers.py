@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from bench.prompts import heldout_files
-from specdec.grpc_util import Server, channel
-from specdec.kv import fingerprint
+from specdec.core.prefix import fingerprint
+from specdec.serving.server import Server, channel
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,7 +292,7 @@ def markdown(result: dict) -> str:
 
 async def run(args, target_dir: str, draft_dir: str, models: str) -> dict:
     from draft_worker.__main__ import DraftSettings
-    from specdec.runtime import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
     from target_worker.__main__ import TargetSettings
 
     target_settings = TargetSettings(model=target_dir, device=args.device, threads=args.threads)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.grpc_util import channel
-from specdec.registry import list_workers
+from specdec.serving.registry import list_workers
+from specdec.serving.server import channel
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -2,13 +2,16 @@
 
 Keys per session (prefix specdec:session:<id>):
   <p>          hash   epoch, version (= committed length), prompt, sampling, seed, gamma,
-                      draft_worker, target_worker, owner, status, finish_reason, stats,
+                      draft_worker, target_worker, owner, status, finish_reason, stats, tail,
                       created, updated
   <p>:tokens   list   generated tokens, append-only
+  <p>:text     list   per generated token, the text that became final with it (`tail` holds
+                      what the end of the stream released after the last token)
   <p>:lease    string owner coordinator id, with a TTL renewed while it runs
   <p>:cancel   string set by CancelSession
-Every commit is one Lua script: it checks the lease owner, the epoch and the expected
-version, appends the tokens and bumps the version atomically (ARCHITECTURE.md invariant 4).
+Creation and every commit are one Lua script each: a commit checks the lease owner, the epoch
+and the expected version, appends tokens and their text and bumps the version atomically
+(docs/architecture.md, invariant 4: commit before stream).
 """
 
 from __future__ import annotations
@@ -21,26 +24,43 @@ import redis.asyncio as aioredis
 
 PREFIX = "specdec:session:"
 
+# KEYS: hash, lease. ARGV: owner, lease ms, then field/value pairs. 1 = created, 0 = exists.
+CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: hash, tokens, lease, cancel, text. ARGV: owner, version, epoch, finish_reason, stats,
+# now, ttl, tail, then n tokens, then their n texts. Returns {new version, finish reason} or
+# {-1 lease lost | -2 version changed | -3 epoch changed, ''}.
 COMMIT = """
 if redis.call('GET', KEYS[3]) ~= ARGV[1] then return {-1, ''} end
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[3] then return {-3, ''} end
 local version = tonumber(redis.call('HGET', KEYS[1], 'version'))
 if version ~= tonumber(ARGV[2]) then return {-2, ''} end
-local n = #ARGV - 7
-for i = 8, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+local n = (#ARGV - 8) / 2
+if n > 0 then
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, 9, 8 + n))
+  redis.call('RPUSH', KEYS[5], unpack(ARGV, 9 + n, 8 + 2 * n))
+end
 redis.call('HSET', KEYS[1], 'version', version + n, 'stats', ARGV[5], 'updated', ARGV[6])
 local reason = ARGV[4]
 if reason == '' and redis.call('EXISTS', KEYS[4]) == 1 then reason = 'CANCELLED' end
 if reason ~= '' then
-  redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', reason)
+  redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', reason, 'tail', ARGV[8])
   local ttl = tonumber(ARGV[7])
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
+  redis.call('EXPIRE', KEYS[5], ttl)
   redis.call('DEL', KEYS[3])
 end
 return {version + n, reason}
 """
 
+# KEYS: lease, hash. ARGV: owner, lease ms, epoch. 1 = kept (or taken back), 2 = finished,
+# 0 = another coordinator may own the session.
 RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -55,6 +75,7 @@ end
 return 0
 """
 
+# KEYS: hash, lease. ARGV: owner, lease ms, now. The new epoch, or -1 while the lease is held.
 TAKE = """
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
@@ -64,6 +85,7 @@ end
 return -1
 """
 
+# KEYS: hash, lease. ARGV: owner, draft, target. The new epoch, or -1 when the lease is not ours.
 BUMP = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
@@ -94,6 +116,22 @@ class SessionRecord:
     stats: dict = field(default_factory=dict)
     created: float = 0.0
     updated: float = 0.0
+    texts: list[str] = field(default_factory=list)  # per generated token
+    tail: str = ""  # text released at the end, after the last token's
+
+
+@dataclass(frozen=True)
+class Keys:
+    hash: str
+    tokens: str
+    text: str
+    lease: str
+    cancel: str
+
+    @classmethod
+    def of(cls, session_id: str) -> Keys:
+        p = PREFIX + session_id
+        return cls(p, p + ":tokens", p + ":text", p + ":lease", p + ":cancel")
 
 
 class SessionStore:
@@ -101,56 +139,48 @@ class SessionStore:
         self.redis = redis
         self.lease_ms = int(lease_s * 1000)
         self.ttl_s = int(ttl_s)
+        self._create = redis.register_script(CREATE)
         self._commit = redis.register_script(COMMIT)
         self._renew = redis.register_script(RENEW)
         self._take = redis.register_script(TAKE)
         self._bump = redis.register_script(BUMP)
 
-    @staticmethod
-    def keys(session_id: str) -> tuple[str, str, str, str]:
-        p = PREFIX + session_id
-        return p, p + ":tokens", p + ":lease", p + ":cancel"
-
     async def create(self, record: SessionRecord, owner: str) -> bool:
-        """Create a new session owned by `owner`; False when the id already exists."""
-        key, _, lease, _ = self.keys(record.session_id)
+        """Create a new session owned by `owner`, atomically; False when the id exists."""
+        k = Keys.of(record.session_id)
         now = time.time()
-        created = await self.redis.hsetnx(key, "created", now)
-        if not created:
-            return False
-        await self.redis.set(lease, owner, px=self.lease_ms)
-        await self.redis.hset(
-            key,
-            mapping={
-                "epoch": record.epoch,
-                "version": len(record.prompt),
-                "prompt": json.dumps(record.prompt),
-                "sampling": json.dumps(record.sampling),
-                "seed": str(record.seed),
-                "gamma": "" if record.gamma is None else record.gamma,
-                "owner": owner,
-                "status": "running",
-                "finish_reason": "",
-                "stats": "{}",
-                "updated": now,
-            },
-        )
-        return True
+        fields = {
+            "created": now,
+            "epoch": record.epoch,
+            "version": len(record.prompt),
+            "prompt": json.dumps(record.prompt),
+            "sampling": json.dumps(record.sampling),
+            "seed": str(record.seed),
+            "gamma": "" if record.gamma is None else record.gamma,
+            "owner": owner,
+            "status": "running",
+            "finish_reason": "",
+            "stats": "{}",
+            "tail": "",
+            "updated": now,
+        }
+        args = [owner, self.lease_ms, *[x for kv in fields.items() for x in kv]]
+        return bool(await self._create(keys=[k.hash, k.lease], args=args))
 
     async def load(self, session_id: str) -> SessionRecord | None:
-        key, tokens_key, lease, _ = self.keys(session_id)
-        raw = await self.redis.hgetall(key)
+        k = Keys.of(session_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(k.hash).lrange(k.tokens, 0, -1).lrange(k.text, 0, -1).get(k.lease)
+            raw, tokens, texts, owner = await pipe.execute()
         if not raw or b"prompt" not in raw:
             return None
-        f = {k.decode(): v.decode() for k, v in raw.items()}
-        generated = [int(t) for t in await self.redis.lrange(tokens_key, 0, -1)]
-        owner = await self.redis.get(lease)
+        f = {key.decode(): value.decode() for key, value in raw.items()}
         return SessionRecord(
             session_id=session_id,
             epoch=int(f["epoch"]),
             version=int(f["version"]),
             prompt=json.loads(f["prompt"]),
-            generated=generated,
+            generated=[int(t) for t in tokens],
             sampling=json.loads(f["sampling"]),
             seed=int(f["seed"]),
             gamma=int(f["gamma"]) if f.get("gamma") else None,
@@ -162,16 +192,14 @@ class SessionStore:
             stats=json.loads(f.get("stats") or "{}"),
             created=float(f.get("created", 0)),
             updated=float(f.get("updated", 0)),
+            texts=[t.decode() for t in texts],
+            tail=f.get("tail", ""),
         )
-
-    async def generated_since(self, session_id: str, offset: int) -> list[int]:
-        _, tokens_key, _, _ = self.keys(session_id)
-        return [int(t) for t in await self.redis.lrange(tokens_key, offset, -1)]
 
     async def take_over(self, session_id: str, owner: str) -> int | None:
         """Acquire an expired (or released) lease; returns the new epoch, None if still held."""
-        key, _, lease, _ = self.keys(session_id)
-        epoch = await self._take(keys=[key, lease], args=[owner, self.lease_ms, time.time()])
+        k = Keys.of(session_id)
+        epoch = await self._take(keys=[k.hash, k.lease], args=[owner, self.lease_ms, time.time()])
         return None if epoch == -1 else int(epoch)
 
     async def renew(self, session_id: str, owner: str, epoch: int) -> bool:
@@ -181,13 +209,13 @@ class SessionStore:
         — same epoch, still running — is taken back. A session whose final commit already
         landed (the commit deleted the lease) counts as kept: its loop is about to end.
         """
-        key, _, lease, _ = self.keys(session_id)
-        return bool(await self._renew(keys=[lease, key], args=[owner, self.lease_ms, epoch]))
+        k = Keys.of(session_id)
+        return bool(await self._renew(keys=[k.lease, k.hash], args=[owner, self.lease_ms, epoch]))
 
     async def reassign(self, session_id: str, owner: str, draft: str, target: str) -> int:
         """Record new workers and bump the epoch (workers then refuse the old epoch)."""
-        key, _, lease, _ = self.keys(session_id)
-        epoch = await self._bump(keys=[key, lease], args=[owner, draft, target])
+        k = Keys.of(session_id)
+        epoch = await self._bump(keys=[k.hash, k.lease], args=[owner, draft, target])
         if epoch == -1:
             raise LostSession(f"session {session_id}: lease lost")
         return int(epoch)
@@ -199,18 +227,24 @@ class SessionStore:
         version: int,
         epoch: int,
         tokens: list[int],
+        texts: list[str],
         stats: dict,
         finish_reason: str = "",
+        tail: str = "",
     ) -> tuple[int, str]:
-        """Atomically append tokens at `version`; returns (new version, finish reason).
+        """Atomically append tokens (with their text) at `version`; returns (new version,
+        finish reason).
 
         The finish reason is `finish_reason`, or CANCELLED when CancelSession flagged the
         session in the meantime (checked in the same script: no extra round trip per round).
-        Raises LostSession when the lease, the epoch or the version no longer match.
+        `tail` is stored when the session ends here: the text its end releases. Raises
+        LostSession when the lease, the epoch or the version no longer match.
         """
-        key, tokens_key, lease, cancel = self.keys(session_id)
+        if len(texts) != len(tokens):
+            raise ValueError("commit: one text per token")
+        k = Keys.of(session_id)
         result, reason = await self._commit(
-            keys=[key, tokens_key, lease, cancel],
+            keys=[k.hash, k.tokens, k.lease, k.cancel, k.text],
             args=[
                 owner,
                 version,
@@ -219,7 +253,9 @@ class SessionStore:
                 json.dumps(stats),
                 time.time(),
                 self.ttl_s,
+                tail,
                 *tokens,
+                *texts,
             ],
         )
         if result < 0:
@@ -228,5 +264,4 @@ class SessionStore:
         return int(result), reason.decode() if isinstance(reason, bytes) else reason
 
     async def cancel(self, session_id: str) -> None:
-        _, _, _, cancel = self.keys(session_id)
-        await self.redis.set(cancel, "1", ex=self.ttl_s)
+        await self.redis.set(Keys.of(session_id).cancel, "1", ex=self.ttl_s)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.runtime import ModelRuntime, RuntimeSettings
-from specdec.serve import worker_main
-from specdec.settings import WorkerSettings, opt
+from specdec.engine.model import ModelRuntime, RuntimeSettings
+from specdec.serving.settings import opt
 from specdec.v1 import draft_pb2_grpc
+from specdec.worker.lifecycle import worker_main
+from specdec.worker.settings import WorkerSettings
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kv import KVSession
-from specdec.proposal import encode_sparse, propose_step
-from specdec.rng import seed_tensor
-from specdec.runtime import ModelRuntime, load_tokenizer, vocab_fingerprint
-from specdec.sampling import SamplingParams
+from specdec.core.params import SamplingParams
+from specdec.core.proposal import encode_sparse, propose_step
+from specdec.core.rng import seed_tensor
+from specdec.engine.kv import KVSession
+from specdec.engine.model import ModelRuntime
+from specdec.text.tokenizer import eos_token_ids, load_tokenizer, vocab_fingerprint
 
 
 @dataclass
@@ -94,7 +95,7 @@ class NgramProposer:
         self.vocab_size = len(tokenizer)
         self.max_context = max_context
         self.vocab_fingerprint = vocab_fingerprint(tokenizer)
-        self.eos_token_ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+        self.eos_token_ids = list(eos_token_ids(tokenizer))
         self.model_name = "ngram"
         self.device = "cpu"
         self.max_ngram = max_ngram

@@ -6,9 +6,12 @@ import time
 
 from draft_worker.engine import ProposeItem
 from specdec.errors import InvalidArgument
-from specdec.grpc_util import rpc
+from specdec.serving.rpc import rpc
+from specdec.serving.wire import sampling_from_proto
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.worker import Batcher, SessionTable, WorkerService, sampling_from_proto
+from specdec.worker.batcher import Batcher
+from specdec.worker.service import WorkerService
+from specdec.worker.session_table import SessionTable
 
 
 class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
@@ -39,7 +42,7 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
             )
         params = sampling_from_proto(request.sampling)
         gamma = min(gamma, self.proposer.max_context - request.base.base_len)
-        token_only = request.token_only or params.greedy or self.proposer.kind == "ngram"
+        token_only = params.greedy or self.proposer.kind == "ngram"
         async with self.table.hold(request.base.session_id):
             session = self.table.resolve(request.base, request.delta)
             if gamma <= 0:

@@ -21,7 +21,10 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
+from specdec.serving.wire import merge, merge_chunk
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+__all__ = ["AsyncClient", "Client", "build_request", "merge", "merge_chunk"]
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 SAMPLING_FIELDS = {
@@ -58,23 +61,6 @@ def build_request(
     if num_speculative_tokens is not None:
         request.speculation.num_speculative_tokens = num_speculative_tokens
     return request
-
-
-def merge(chunks) -> coordinator_pb2.GenerateResponse:
-    response = coordinator_pb2.GenerateResponse()
-    for chunk in chunks:
-        merge_chunk(response, chunk)
-    return response
-
-
-def merge_chunk(response, chunk) -> None:
-    """Fold one GenerateChunk into a GenerateResponse."""
-    response.session_id = chunk.session_id
-    response.token_ids.extend(chunk.token_ids)
-    response.text += chunk.text
-    if chunk.finish_reason:
-        response.finish_reason = chunk.finish_reason
-        response.stats.CopyFrom(chunk.stats)
 
 
 class _ClientBase:

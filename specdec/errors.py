@@ -1,14 +1,20 @@
-"""Domain errors, each mapped to one gRPC status code in one place (specdec.grpc_util)."""
+"""The project's own errors: what a caller did wrong or what is not available right now.
+
+Each maps to one gRPC status code in one place (`specdec.serving.rpc`), with its message
+(which names the offending field) passed to the client. Anything else raised in a handler is
+our bug: INTERNAL with a generic message, details only in the log. Plain Python, no imports,
+so every layer may raise these.
+"""
 
 from __future__ import annotations
 
 
 class SpecdecError(Exception):
-    """Base class; the message names the offending field."""
+    """Base class of the errors a client may see; the message names the offending field."""
 
 
 class InvalidArgument(SpecdecError, ValueError):
-    pass
+    """The request is malformed or out of range (INVALID_ARGUMENT)."""
 
 
 class StaleBase(SpecdecError):
@@ -16,7 +22,7 @@ class StaleBase(SpecdecError):
 
 
 class NotFound(SpecdecError):
-    pass
+    """The named session does not exist (NOT_FOUND)."""
 
 
 class Exhausted(SpecdecError):
@@ -24,4 +30,4 @@ class Exhausted(SpecdecError):
 
 
 class Unavailable(SpecdecError):
-    pass
+    """A tier needed for the request is down; retry, possibly elsewhere (UNAVAILABLE)."""

@@ -1,5 +1,5 @@
 """Target engine: one batched forward over many sessions' candidate blocks, then each
-session's rejection sampling (specdec.verify). Runs in the model thread."""
+session's rejection sampling (specdec.core.verify). Runs in the model thread."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kv import KVSession
-from specdec.proposal import dense_q
-from specdec.rng import seed_tensor
-from specdec.runtime import ModelRuntime
-from specdec.sampling import SamplingParams, batched_probs, one_hot
-from specdec.verify import verify_block
+from specdec.core.params import SamplingParams
+from specdec.core.proposal import dense_q
+from specdec.core.rng import seed_tensor
+from specdec.core.sampling import batched_probs, one_hot
+from specdec.core.verify import verify_block
+from specdec.engine.kv import KVSession
+from specdec.engine.model import ModelRuntime
 
 
 @dataclass

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 
+from specdec.core.proposal import validate_sparse
 from specdec.errors import InvalidArgument
-from specdec.grpc_util import rpc
-from specdec.proposal import validate_sparse
+from specdec.serving.rpc import rpc
+from specdec.serving.wire import check_tokens, sampling_from_proto
 from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec.worker import Batcher, SessionTable, WorkerService, check_tokens, sampling_from_proto
+from specdec.worker.batcher import Batcher
+from specdec.worker.service import WorkerService
+from specdec.worker.session_table import SessionTable
 from target_worker.engine import PrefillItem, TargetEngine, VerifyItem
 
 

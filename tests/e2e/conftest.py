@@ -3,8 +3,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from specdec.redis_embedded import free_port
-from specdec.stack import Stack, StackSettings
+from specdec.launcher.stack import Stack, StackSettings
+from specdec.serving.redis_embedded import free_port
 from specdec.v1 import coordinator_pb2_grpc
 
 

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from specdec.client import Client
-from specdec.redis_embedded import free_port
-from specdec.stack import Stack, StackSettings
+from specdec.launcher.stack import Stack, StackSettings
+from specdec.serving.redis_embedded import free_port
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.slow

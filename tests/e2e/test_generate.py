@@ -10,7 +10,8 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.core.params import SamplingParams
+from specdec.core.sampling import probs_from_logits
 from specdec.v1 import common_pb2, coordinator_pb2
 
 PROMPTS = [
@@ -217,8 +218,8 @@ def test_prometheus_metrics(model_dirs):
     """Each service serves /metrics; after a request the counters a user alerts on are there."""
     import urllib.request
 
-    from specdec.redis_embedded import free_port
-    from specdec.stack import Stack, StackSettings
+    from specdec.launcher.stack import Stack, StackSettings
+    from specdec.serving.redis_embedded import free_port
 
     ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
     settings = StackSettings(
@@ -267,7 +268,7 @@ def sample(text: str, name: str, **labels) -> float | None:
 
 def test_max_sessions_gives_resource_exhausted(stack):
     """A coordinator at --max-sessions refuses a new session; the running one is unharmed."""
-    from specdec.redis_embedded import free_port
+    from specdec.serving.redis_embedded import free_port
     from specdec.v1 import coordinator_pb2_grpc
 
     port = free_port()
@@ -312,7 +313,7 @@ def test_long_prompt_goes_through_chunked_prefill(stub, hf):
 
 def test_cancel_through_another_coordinator(stack, stub):
     """CancelSession on a replica that does not run the session reaches it through Redis."""
-    from specdec.redis_embedded import free_port
+    from specdec.serving.redis_embedded import free_port
     from specdec.v1 import coordinator_pb2_grpc
 
     port = free_port()

@@ -15,10 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.client import Client
-from specdec.redis_embedded import free_port
+from specdec.serving.redis_embedded import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SPECDEC = [sys.executable, "-m", "specdec.cli"]
+SPECDEC = [sys.executable, "-m", "specdec"]
 PROMPT = "import os\n\n\ndef read_config(path):\n"
 N = 32
 

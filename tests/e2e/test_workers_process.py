@@ -20,9 +20,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
-from specdec.kv import fingerprint
-from specdec.redis_embedded import EmbeddedRedis, free_port
-from specdec.registry import list_workers
+from specdec.core.prefix import fingerprint
+from specdec.serving.redis_embedded import EmbeddedRedis, free_port
+from specdec.serving.registry import list_workers
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow

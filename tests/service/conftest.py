@@ -11,7 +11,7 @@ import pytest
 
 from draft_worker.__main__ import DraftSettings
 from draft_worker.__main__ import build as build_draft
-from specdec.grpc_util import Server
+from specdec.serving.server import Server
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
 from target_worker.__main__ import TargetSettings
 from target_worker.__main__ import build as build_target

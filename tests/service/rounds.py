@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from specdec.kv import fingerprint
+from specdec.core.prefix import fingerprint
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 GREEDY = common_pb2.SamplingParams()

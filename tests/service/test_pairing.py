@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coordinator.pool import WorkerPool
-from specdec.runtime import load_tokenizer, vocab_fingerprint
+from specdec.text.tokenizer import load_tokenizer, vocab_fingerprint
 
 
 def test_pool_refuses_a_worker_with_another_vocabulary(

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from specdec.kv import fingerprint
+from specdec.core.prefix import fingerprint
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from rounds import RPC_TIMEOUT_S, delta, propose_request, rpc_error, verify_request
 
-from specdec.kv import fingerprint
+from specdec.core.prefix import fingerprint
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

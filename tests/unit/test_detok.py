@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from specdec.detok import (
+from specdec.text.detok import (
     FinishReason,
     IncrementalDetokenizer,
     OutputStream,

@@ -15,11 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-import specdec.verify as verify_mod
-from specdec.proposal import dense_q, propose_step
-from specdec.rng import seed_tensor
-from specdec.sampling import SamplingParams, batched_probs, one_hot, probs_from_logits
-from specdec.verify import acceptance_probability, residual_distribution, verify_block
+import specdec.core.verify as verify_mod
+from specdec.core.params import SamplingParams
+from specdec.core.proposal import dense_q, propose_step
+from specdec.core.rng import seed_tensor
+from specdec.core.sampling import batched_probs, one_hot, probs_from_logits
+from specdec.core.verify import acceptance_probability, residual_distribution, verify_block
 
 
 def output_distribution(p: torch.Tensor, q: torch.Tensor, resample=None) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.perf_model import (
+from specdec.core.perf_model import (
     estimate_alpha,
     expected_tokens,
     optimal_gamma_sync,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.perf_model import expected_tokens
-from specdec.policy import AdaptiveGamma, CostModel, RoundTiming
+from coordinator.policy import AdaptiveGamma, CostModel, RoundTiming
+from specdec.core.perf_model import expected_tokens
 
 
 class Sim:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.kv import KVSession, common_prefix_len, fingerprint
-from specdec.runtime import ModelRuntime, RuntimeSettings
+from specdec.core.prefix import common_prefix_len, fingerprint
+from specdec.engine.kv import KVSession
+from specdec.engine.model import ModelRuntime, RuntimeSettings
 
 ATOL = 1e-4
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.proposal import (
+from specdec.core.params import SamplingParams
+from specdec.core.proposal import (
     WIRE_WEIGHT_MAX,
     dense_q,
     encode_sparse,
@@ -14,9 +15,9 @@ from specdec.proposal import (
     quantise,
     validate_sparse,
 )
-from specdec.rng import Stream, seed_tensor, uniform, uniform_scalar
-from specdec.sampling import SamplingParams, apply_processors, probs_from_logits, sample_inverse_cdf
-from specdec.verify import verify_block
+from specdec.core.rng import Stream, seed_tensor, uniform, uniform_scalar
+from specdec.core.sampling import apply_processors, probs_from_logits, sample_inverse_cdf
+from specdec.core.verify import verify_block
 
 
 def test_uniform_is_a_pure_function_of_seed_position_stream():

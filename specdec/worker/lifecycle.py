@@ -7,17 +7,15 @@ import asyncio
 import logging
 import time
 
-from specdec.grpc_util import Server, install_signal_handlers
-from specdec.registry import Registration
+from google.protobuf.json_format import MessageToDict
+
+from specdec.engine.kv import KVSession
+from specdec.serving import telemetry
+from specdec.serving.registry import Registration
+from specdec.serving.server import Server, install_signal_handlers, setup_logging
+from specdec.serving.settings import add_flags, from_args
 
 log = logging.getLogger(__name__)
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
 
 
 async def serve_worker(
@@ -27,8 +25,6 @@ async def serve_worker(
 
     Health is NOT_SERVING until `warmup()` has run a real forward pass.
     """
-    from specdec import telemetry
-
     telemetry.setup(f"specdec-{role}-worker", settings.metrics_port, settings.host)
     if settings.metrics_port > 0:
         service.metrics = telemetry.WorkerMetrics(
@@ -71,15 +67,11 @@ async def serve_worker(
 
 
 def _info_dict(info) -> dict:
-    from google.protobuf.json_format import MessageToDict
-
     return MessageToDict(info, preserving_proto_field_name=True)
 
 
 async def warm_up(service) -> None:
     """One real forward pass of the worker's model (none for a model-free proposer)."""
-    from specdec.kv import KVSession
-
     runtime = getattr(service.model, "runtime", service.model)
     if not hasattr(runtime, "forward"):
         return
@@ -94,8 +86,6 @@ def worker_main(
     argv, prog: str, doc: str, settings_cls, build, role: str, add_to_server, service_name: str
 ) -> None:
     """Entry point of a worker process: flags (and SPECDEC_* env), logging, serve until SIGTERM."""
-    from specdec.settings import add_flags, from_args
-
     parser = argparse.ArgumentParser(prog=prog, description=doc)
     add_flags(parser, settings_cls)
     settings = from_args(settings_cls, parser.parse_args(argv))

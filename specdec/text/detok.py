@@ -16,7 +16,9 @@ The coordinator commits a round's tokens at once and must stream only text that 
 - `check_stop_tokens` ends a round's tokens at EOS (unless `ignore_eos`), a stop token id or
   the length limit. The ending token is kept in `token_ids`; EOS contributes no text when
   special tokens are skipped.
-- `OutputStream` combines the three, token by token, for one request.
+- `OutputStream` combines the three, token by token, for one request: each committed token
+  carries the text that became final with it, and `tail()` is what `finish()` would still
+  release. The coordinator stores both with the tokens, so text is produced once per token.
 
 `FinishReason` mirrors `specdec.v1.FinishReason` value for value (0 = unspecified is `None`).
 """
@@ -26,8 +28,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
+from specdec.text.tokenizer import eos_token_ids as tokenizer_eos
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -80,6 +86,13 @@ class IncrementalDetokenizer:
         """Return the text still held back (e.g. a trailing incomplete character)."""
         return self._step(final=True)
 
+    def peek_flush(self) -> str:
+        """What `flush()` would return, without changing any state."""
+        if self.read_offset == len(self.token_ids):
+            return ""
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        return new_text[len(self._prefix_text) :] if len(new_text) > len(self._prefix_text) else ""
+
     def _step(self, final: bool) -> str:
         if self.read_offset == len(self.token_ids):
             return ""
@@ -130,6 +143,14 @@ class StopChecker:
         held, self.held = self.held, ""
         return "" if self.stopped_on is not None else held
 
+    def peek(self, text: str) -> str:
+        """What `feed(text)` then `flush()` would release, without changing any state."""
+        if self.stopped_on is not None:
+            return ""
+        buf = self.held + text
+        hits = [i for s in self.stop if (i := buf.find(s)) >= 0]
+        return buf[: min(hits)] if hits else buf
+
     def _partial_stop_len(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
         longest = max((len(s) for s in self.stop), default=0)
@@ -170,8 +191,14 @@ class StreamStep:
     """What one `OutputStream.push` commits and streams."""
 
     num_tokens: int  # how many of the pushed tokens to commit
-    text: str  # text final and safe to stream now
+    texts: tuple[str, ...]  # per committed token, the text that became final with it
     finish_reason: FinishReason | None
+    tail: str = ""  # text released by the end of the stream (after the last token's)
+
+    @property
+    def text(self) -> str:
+        """Text final and safe to stream now."""
+        return "".join(self.texts) + self.tail
 
 
 class OutputStream:
@@ -190,8 +217,7 @@ class OutputStream:
         skip_special_tokens: bool = True,
     ) -> None:
         if eos_token_ids is None:
-            eos = tokenizer.eos_token_id
-            eos_token_ids = () if eos is None else (eos,)
+            eos_token_ids = tokenizer_eos(tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(stop_token_ids)
         self.ignore_eos = ignore_eos
@@ -204,9 +230,9 @@ class OutputStream:
         self.finish_reason: FinishReason | None = None
 
     def push(self, token_ids: Sequence[int]) -> StreamStep:
-        """Offer a round's tokens; return how many to commit, the text to stream, and the end."""
+        """Offer a round's tokens; return how many to commit, their text, and the end."""
         if self.finish_reason is not None:
-            return StreamStep(0, "", self.finish_reason)
+            return StreamStep(0, (), self.finish_reason)
         remaining = (
             None if self.max_new_tokens is None else self.max_new_tokens - self.num_generated
         )
@@ -217,17 +243,22 @@ class OutputStream:
             ignore_eos=self.ignore_eos,
             max_tokens=remaining,
         )
-        pieces = []
+        texts = []
         for i in range(num_tokens):
             text, hit = self.stop_checker.feed(self.detokenizer.push(token_ids[i : i + 1]))
-            pieces.append(text)
+            texts.append(text)
             if hit:
                 num_tokens, reason = i + 1, FinishReason.STOP
                 break
         self.num_generated += num_tokens
-        if reason is not None:
-            pieces.append(self.finish(reason))
-        return StreamStep(num_tokens, "".join(pieces), self.finish_reason)
+        tail = self.finish(reason) if reason is not None else ""
+        return StreamStep(num_tokens, tuple(texts), self.finish_reason, tail)
+
+    def tail(self) -> str:
+        """The text `finish()` would release now (held-back text), without finishing."""
+        if self.finish_reason is not None:
+            return ""
+        return self.stop_checker.peek(self.detokenizer.peek_flush())
 
     def finish(self, reason: FinishReason) -> str:
         """End the stream (e.g. CANCELLED); return the remaining text to stream.

@@ -1,4 +1,4 @@
-"""The draft's proposal distribution q̃ and its sparse wire codec (ARCHITECTURE.md invariant 2).
+"""The draft's proposal distribution q̃ and its sparse wire codec (docs/architecture.md, invariant 2).
 
 The draft applies the request's processors, keeps its top-K, quantises the kept
 probabilities to integer wire weights, and defines q̃ = weight / Σ weight. Only then does it
@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.rng import Stream, uniform
-from specdec.sampling import (
-    SamplingParams,
+from specdec.core.params import SamplingParams
+from specdec.core.rng import Stream, uniform
+from specdec.core.sampling import (
     apply_processors,
     group_by_params,
     sample_inverse_cdf,
 )
+from specdec.errors import InvalidArgument
 
 WIRE_WEIGHT_MAX = 65535  # the most likely kept token gets this weight
 
@@ -89,16 +90,16 @@ def encode_sparse(ids: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], 
 
 
 def validate_sparse(ids: list[int], weights: list[int], vocab: int, field: str) -> None:
-    """Raise ValueError naming the field when a wire q̃ is not a valid distribution."""
+    """Raise InvalidArgument naming the field when a wire q̃ is not a valid distribution."""
     if not ids:
-        raise ValueError(f"{field}.token_ids must not be empty")
+        raise InvalidArgument(f"{field}.token_ids must not be empty")
     if len(ids) != len(weights):
-        raise ValueError(
+        raise InvalidArgument(
             f"{field}: token_ids and weights differ in length ({len(ids)} vs {len(weights)})"
         )
     if len(set(ids)) != len(ids):
-        raise ValueError(f"{field}.token_ids must not repeat a token")
+        raise InvalidArgument(f"{field}.token_ids must not repeat a token")
     if max(ids) >= vocab:
-        raise ValueError(f"{field}.token_ids: {max(ids)} is outside the vocabulary ({vocab})")
+        raise InvalidArgument(f"{field}.token_ids: {max(ids)} is outside the vocabulary ({vocab})")
     if sum(weights) <= 0:
-        raise ValueError(f"{field}.weights must have a positive sum")
+        raise InvalidArgument(f"{field}.weights must have a positive sum")

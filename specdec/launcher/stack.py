@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specdec.redis_embedded import EmbeddedRedis, free_port
+from specdec.serving.redis_embedded import EmbeddedRedis, free_port
 
 
 class StackError(RuntimeError):

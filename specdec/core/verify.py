@@ -2,7 +2,7 @@
 
 Given the target's γ+1 distributions p_1..p_{γ+1} (after the request's processors) and the
 draft's q̃_1..q̃_γ, candidate y_i is accepted when u < p_i(y_i)/q̃_i(y_i) (Leviathan et al.,
-Chen et al.; seed 000 §3). At the first rejection the **recovered token** is drawn from the
+Chen et al.; docs/architecture.md, "Verification"). At the first rejection the **recovered token** is drawn from the
 normalised residual max(p_i − q̃_i, 0); when all γ are accepted the **bonus token** is drawn
 from p_{γ+1}. The round stops at the first rejection. Token-only drafts are one-hot q̃.
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.rng import Stream, uniform
-from specdec.sampling import sample_inverse_cdf
+from specdec.core.rng import Stream, uniform
+from specdec.core.sampling import sample_inverse_cdf
 
 
 @dataclass
@@ -66,7 +66,7 @@ def verify_block(
     p_y = p[:, :gamma].gather(2, safe[..., None]).squeeze(2)  # [B, γ]
     q_y = q.gather(2, safe[..., None]).squeeze(2)  # [B, γ]
     u = uniform(seeds[:, None], base_positions[:, None] + steps[None, :], Stream.ACCEPT)
-    accepted = (u * q_y < p_y) & (q_y > 0) & valid  # accept with probability min(1, p/q̃)
+    accepted = (u < acceptance_probability(p_y, q_y)) & valid  # with probability min(1, p/q̃)
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # stop at the first rejection
 
     rows = torch.arange(batch)

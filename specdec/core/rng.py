@@ -1,6 +1,6 @@
 """Counter-based randomness: every draw is a pure function of (seed, position, stream).
 
-ARCHITECTURE.md invariant 5. A uniform in [0, 1) is the SplitMix64 finaliser applied to a
+docs/architecture.md, invariant 5. A uniform in [0, 1) is the SplitMix64 finaliser applied to a
 key built from the session seed, the absolute token position and the stream, so a replay
 after a failover (or a batch of a different shape, or another machine) draws the same
 numbers. Implemented on int64 tensors with logical shifts emulated by masks, so it runs

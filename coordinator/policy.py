@@ -2,7 +2,7 @@
 
 Policy. Each round `AdaptiveGamma` picks the γ in [0, max_gamma] that maximises the expected
 committed tokens per second of the WHOLE batch it shares, E(α̂, γ) / round(γ) - the synchronous
-form of ARCHITECTURE.md's performance model, S = E / (γ·c + v + ρ), in seconds. γ = 0 means plain
+form of the performance model (docs/architecture.md), S = E / (γ·c + v + ρ), in seconds. γ = 0 means plain
 decoding: one verify of one token, one committed token, no draft call. Every `explore_every`-th
 round it instead probes a neighbour of that choice (γ±1, or `explore_gamma` from γ = 0, repeated
 while probes from 0 accept every candidate), so the cost fits see several γ and the policy
@@ -27,7 +27,7 @@ of their batched passes, and how many positions the verify pass computed):
 The timing estimates live in a `CostModel` shared by all sessions of a coordinator (they measure
 the same workers and network, so a new session starts informed); α̂ is per session:
 α̂ = (a + α₀·w) / (a + r + w), a = accepted candidates, r = rounds that ended in a rejection
-(ARCHITECTURE.md's α̂), both decayed by `alpha_decay` per speculative round, with a Beta-style
+(the one estimator, `specdec.core.acceptance`), both decayed by `alpha_decay` per speculative round, with a Beta-style
 prior of weight w = `prior_weight` centred on α₀ = `prior_alpha`. All estimates forget
 exponentially, so the policy follows load and text as they change. Before any timing arrives,
 costs are relative to one verify forward: a draft step costs `prior_draft_ratio` of it and
@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.perf_model import expected_tokens
+from specdec.core.acceptance import AcceptanceEstimate
+from specdec.core.perf_model import expected_tokens
 
 
 class _Ewma:
@@ -129,25 +130,14 @@ class CostModel:
         self.draft_net = _Ewma(decay)  # n_d
         self.verify_net = _Ewma(decay)  # n_v
         self.rest = _Ewma(decay)  # r
-        self.accepted = 0.0  # over all sessions: the prior of a session's α̂
-        self.rejections = 0.0
-        self.alpha_decay = 0.99
+        self.acceptance = AcceptanceEstimate(0.99)  # over all sessions: a session's prior
         self._last_pass: dict[str, int] = {}  # target worker -> last verify pass fitted
         self.passes = 0  # verify passes fitted so far
         self.batch_plan: tuple[int, int] | None = None  # (passes, γ) every batched session uses
 
-    @property
-    def empty(self) -> bool:
-        return self.verify_fit.empty
-
     def alpha(self, prior: float, weight: float = 4.0) -> float:
         """α̂ over every session's recent speculative rounds, shrunk towards `prior`."""
-        return (self.accepted + prior * weight) / (self.accepted + self.rejections + weight)
-
-    def observe_acceptance(self, accepted: int, rejected: bool) -> None:
-        d = self.alpha_decay
-        self.accepted = d * self.accepted + accepted
-        self.rejections = d * self.rejections + float(rejected)
+        return self.acceptance.value(prior, weight)
 
     def verify_forward_s(self, positions: float) -> float:
         """Predicted target forward time for `positions` positions (prior: 1.0, flat)."""
@@ -199,18 +189,14 @@ class AdaptiveGamma:
             raise ValueError("max_gamma, explore_every and explore_gamma must be >= 0")
         if not 0.0 <= prior_alpha <= 1.0 or prior_weight < 0:
             raise ValueError("prior_alpha must be in [0, 1] and prior_weight >= 0")
-        if not 0.0 < alpha_decay <= 1.0:
-            raise ValueError("alpha_decay must be in (0, 1]")
         self.max_gamma = max_gamma
         self.costs = costs if costs is not None else CostModel()
         self.prior_alpha = prior_alpha
         self.prior_weight = prior_weight
-        self.alpha_decay = alpha_decay
         self.explore_every = explore_every
         self.explore_gamma = explore_gamma
         self.prior_draft_ratio = prior_draft_ratio
-        self._accepted = 0.0  # decayed accepted candidates
-        self._rejections = 0.0  # decayed rounds that ended in a rejection
+        self._acceptance = AcceptanceEstimate(alpha_decay)  # this session's rounds
         self._calls = 0
         self._probes = 0
         self._probing_from_zero = False
@@ -219,10 +205,7 @@ class AdaptiveGamma:
     @property
     def alpha(self) -> float:
         """α̂: this session's acceptance, shrunk towards the coordinator-wide α̂ (the prior)."""
-        prior = self.costs.alpha(self.prior_alpha)
-        num = self._accepted + prior * self.prior_weight
-        den = self._accepted + self._rejections + self.prior_weight
-        return prior if den == 0 else num / den
+        return self._acceptance.value(self.costs.alpha(self.prior_alpha), self.prior_weight)
 
     def verify_s(self, gamma: int) -> float:
         """Predicted wall time of this session's Verify call with γ candidates, load included."""
@@ -323,9 +306,7 @@ class AdaptiveGamma:
             )
         self.costs.observe(gamma, timing)
         if gamma > 0:
-            d = self.alpha_decay
-            self._accepted = d * self._accepted + accepted
-            self._rejections = d * self._rejections + float(rejected)
-            self.costs.observe_acceptance(accepted, rejected)
+            self._acceptance.observe(accepted, rejected)
+            self.costs.acceptance.observe(accepted, rejected)
         self._probe_again = self._probing_from_zero and gamma > 0 and not rejected
         self._probing_from_zero = False

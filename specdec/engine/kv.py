@@ -1,32 +1,20 @@
-"""Per-session KV state: committed history, computed-KV length, crop and fingerprint.
+"""Per-session KV state: committed history, computed-KV length, sync and crop.
 
 A worker keeps, per session, the token history it believes (`tokens`) and the KV of its
-first `kv_len` tokens in growable per-layer buffers. Committed length and computed-KV length
-are tracked separately (seed 000 §6): a recovered/bonus token is part of the history before
-its KV exists — it is computed when the token is fed in the next round. A rejection is undone
-by cropping: nothing is copied, the length just moves back (as gpt-fast indexes by position).
+first `kv_len` tokens in growable per-layer buffers. Committed length and computed-KV
+length are tracked separately (docs/architecture.md, "KV rollback"): a recovered/bonus
+token is part of the history before its KV exists — it is computed when the token is fed in
+the next round. A rejection is undone by cropping: nothing is copied, the length just moves
+back (as gpt-fast indexes by position).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 
 import torch
 
-
-def fingerprint(tokens: Sequence[int]) -> bytes:
-    """16-byte digest of a token prefix; identical on every worker and the coordinator."""
-    return hashlib.blake2b(array("I", tokens).tobytes(), digest_size=16).digest()
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+from specdec.core.prefix import common_prefix_len
 
 
 class KVSession:

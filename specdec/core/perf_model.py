@@ -1,4 +1,4 @@
-"""The performance model of speculative decoding (ARCHITECTURE.md, "Performance model").
+"""The performance model of speculative decoding (docs/architecture.md, "Performance model").
 
 All costs are in units of one target step: the time the target takes to decode ONE token
 on its own, in-process. With that unit:

@@ -2,50 +2,14 @@
 
 The processors run in a fixed order — temperature, top-k, top-p, min-p — and produce the
 exact distribution `p` (or the draft's `q`) that tokens are sampled from. Speculative
-verification preserves exactly this distribution (ARCHITECTURE.md invariant 1).
+verification preserves exactly this distribution (docs/architecture.md, invariant 1).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings (mirrors specdec.v1.SamplingParams)."""
-
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 0 or 1 = off
-    min_p: float = 0.0  # 0 = off
-    seed: int | None = None
-    max_new_tokens: int = 0
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self, prefix: str = "sampling") -> None:
-        """Raise ValueError naming the field when a value is out of range."""
-        import math
-
-        for name in ("temperature", "top_p", "min_p"):
-            value = getattr(self, name)
-            if not math.isfinite(value):
-                raise ValueError(f"{prefix}.{name} must be finite, got {value}")
-        if self.temperature < 0:
-            raise ValueError(f"{prefix}.temperature must be >= 0, got {self.temperature}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"{prefix}.top_p must be in [0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"{prefix}.min_p must be in [0, 1], got {self.min_p}")
-        if self.top_k < 0:
-            raise ValueError(f"{prefix}.top_k must be >= 0, got {self.top_k}")
+from specdec.core.params import SamplingParams
 
 
 def apply_processors(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -89,8 +53,7 @@ def group_by_params(params: list[SamplingParams]) -> dict[SamplingParams, torch.
     """Row indices of a batch that share the same sampling params (processed together)."""
     groups: dict[tuple, tuple[SamplingParams, list[int]]] = {}
     for row, item in enumerate(params):
-        key = (item.temperature, item.top_k, item.top_p, item.min_p)
-        groups.setdefault(key, (item, []))[1].append(row)
+        groups.setdefault(item.processors, (item, []))[1].append(row)
     return {first: torch.tensor(rows) for first, rows in groups.values()}
 
 

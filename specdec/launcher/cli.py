@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
 import sys
 import time
+
+from specdec.serving.settings import env_default
 
 USAGE = """usage: specdec COMMAND [flags]
 
@@ -21,18 +24,16 @@ commands:
 
 `specdec COMMAND --help` lists a command's flags; every flag also reads SPECDEC_<FLAG>."""
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def env_default(name: str, default):
-    value = os.environ.get("SPECDEC_" + name.upper().replace("-", "_"))
-    if value is None:
-        return default
-    return (
-        type(default)(value)
-        if not isinstance(default, bool)
-        else value.lower() in ("1", "true", "yes")
-    )
+# Commands served by a service (or bench) package: its entry module, imported only when run.
+SERVICES = {
+    "draft-worker": "draft_worker.__main__",
+    "target-worker": "target_worker.__main__",
+    "coordinator": "coordinator.__main__",
+    "bench": "bench.run",
+    "bench workers": "bench.workers",
+}
 
 
 def demo_model(kind: str) -> str:
@@ -43,7 +44,7 @@ def demo_model(kind: str) -> str:
 
 
 def up(argv: list[str]) -> int:
-    from specdec.stack import Stack, StackError, StackSettings
+    from specdec.launcher.stack import Stack, StackError, StackSettings
 
     cores = os.cpu_count() or 2
     p = argparse.ArgumentParser(
@@ -160,7 +161,8 @@ def generate(argv: list[str]) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from specdec.client import Client, merge
+    from specdec.client import Client
+    from specdec.serving.wire import merge
 
     p = argparse.ArgumentParser(
         prog="specdec generate", description="Stream a completion to the terminal."
@@ -248,23 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         return up(rest)
     if command == "generate":
         return generate(rest)
-    if command == "draft-worker":
-        from draft_worker.__main__ import main as run
-    elif command == "target-worker":
-        from target_worker.__main__ import main as run
-    elif command == "coordinator":
-        from coordinator.__main__ import main as run
-    elif command == "bench":
-        if rest and rest[0] == "workers":
-            from bench.workers import main as run
-
-            rest = rest[1:]
-        else:
-            from bench.run import main as run
-    else:
+    if command == "bench" and rest and rest[0] == "workers":
+        command, rest = "bench workers", rest[1:]
+    if command not in SERVICES:
         print(f"specdec: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    result = run(rest)
+    result = importlib.import_module(SERVICES[command]).main(rest)
     return result if isinstance(result, int) else 0
 
 

@@ -1,0 +1,193 @@
+"""A session's ties to its draft and target workers: bases, resync, failover, release.
+
+Every worker request carries the session's base (session id, epoch, committed length and
+its fingerprint) and the committed tokens the worker lacks. A worker that cannot prove it
+holds the prefix refuses (FAILED_PRECONDITION) and the call is repeated once with the whole
+prefix. A worker that fails moves the session to another one of its tier with an epoch bump
+(the old worker then refuses the stale epoch); with no draft left a session goes target-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator.context import RunContext
+from coordinator.pool import Worker
+from coordinator.stats import Stats
+from specdec.core.prefix import fingerprint
+from specdec.errors import Unavailable
+from specdec.v1 import common_pb2, draft_pb2, target_pb2
+
+log = logging.getLogger(__name__)
+
+FAILOVER_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+@dataclass
+class Link:
+    """A session's tie to one worker and how much of the committed prefix it holds."""
+
+    worker: Worker | None = None
+    synced: int = 0  # committed tokens already sent (0 = send the full prefix)
+
+
+class SessionLinks:
+    """The draft and target workers of one session, and the epoch that binds them."""
+
+    def __init__(
+        self, ctx: RunContext, session_id: str, epoch: int, remembered: dict, stats: Stats
+    ):
+        self.ctx = ctx
+        self.session_id = session_id
+        self.epoch = epoch
+        self.remembered = remembered  # role → address recorded in Redis (session affinity)
+        self.stats = stats
+        self.draft = Link()
+        self.target = Link()
+
+    def link(self, role: str) -> Link:
+        return self.draft if role == "draft" else self.target
+
+    def _base(self, link: Link, committed: list[int]):
+        start = link.synced if 0 < link.synced <= len(committed) else 0
+        base = common_pb2.Base(
+            session_id=self.session_id,
+            epoch=self.epoch,
+            base_len=len(committed),
+            base_fingerprint=fingerprint(committed),
+        )
+        return base, common_pb2.TokenDelta(start=start, token_ids=committed[start:])
+
+    async def _call(self, link: Link, method: str, committed: list[int], build, timeout: float):
+        """Call a worker; a refused base (FAILED_PRECONDITION) is retried once with the full prefix."""
+        for attempt in range(2):
+            base, delta = self._base(link, committed)
+            worker = link.worker
+            worker.in_flight += 1
+            try:
+                response = await getattr(worker.stub, method)(build(base, delta), timeout=timeout)
+                link.synced = len(committed)
+                return response
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and attempt == 0:
+                    link.synced = 0
+                    continue
+                raise
+            finally:
+                worker.in_flight -= 1
+        raise AssertionError("unreachable")
+
+    async def attach(self, role: str, exclude: set[str]) -> bool:
+        """(Re)assign a worker of `role`, bump the epoch in Redis; False when none is left."""
+        pool, link = self.ctx.pool(role), self.link(role)
+        prefer = link.worker.address if link.worker else self.remembered.get(role, "")
+        worker = pool.pick(prefer=prefer, exclude=exclude)
+        if worker is None:
+            await pool.refresh()
+            worker = pool.pick(exclude=exclude)
+        if link.worker is not None:
+            link.worker.sessions.discard(self.session_id)
+        link.worker, link.synced = worker, 0
+        if worker is not None:
+            worker.sessions.add(self.session_id)
+        self.epoch = await self.ctx.store.reassign(
+            self.session_id,
+            self.ctx.owner,
+            self.draft.worker.address if self.draft.worker else "",
+            self.target.worker.address if self.target.worker else "",
+        )
+        return worker is not None
+
+    def _failed(self, role: str, address: str, exc: grpc.aio.AioRpcError) -> None:
+        log.warning(
+            "session %s: %s %s failed (%s); failing over",
+            self.session_id,
+            role,
+            address,
+            exc.code(),
+        )
+        self.ctx.pool(role).mark_dead(address)
+        if role == "draft":
+            self.stats.draft_failovers += 1
+        else:
+            self.stats.target_failovers += 1
+        self.ctx.count("failovers", tier=role)
+
+    async def propose(self, committed: list[int], build) -> draft_pb2.ProposeResponse | None:
+        """Candidates from the draft; None when it failed (this round then goes target-only)."""
+        try:
+            return await self._call(
+                self.draft, "Propose", committed, build, self.ctx.settings.draft_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in FAILOVER_CODES:
+                raise
+            address = self.draft.worker.address
+            self._failed("draft", address, exc)
+            await self.attach("draft", exclude={address})
+            return None
+
+    async def verify(self, committed: list[int], build) -> target_pb2.VerifyResponse:
+        """The target's verdict, failing over to another target until the deadline."""
+        settings = self.ctx.settings
+        deadline = time.monotonic() + settings.worker_timeout_s
+        failed: set[str] = set()
+        while True:
+            if self.target.worker is None and not await self.attach("target", exclude=failed):
+                if time.monotonic() > deadline:
+                    raise Unavailable("no target worker is available (target tier down)")
+                failed.clear()
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                await self._prefill_if_long(committed)
+                return await self._call(
+                    self.target, "Verify", committed, build, settings.worker_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in FAILOVER_CODES:
+                    raise
+                address = self.target.worker.address
+                self._failed("target", address, exc)
+                failed.add(address)
+                self.target.worker = None
+                if time.monotonic() > deadline:
+                    raise Unavailable(
+                        f"target worker {address} failed and no other answered in time"
+                    ) from exc
+
+    async def _prefill_if_long(self, committed: list[int]) -> None:
+        """Send a long missing prefix as a chunked Prefill, so it does not stall a batch."""
+        if len(committed) - self.target.synced > self.ctx.settings.prefill_threshold:
+            await self._call(
+                self.target,
+                "Prefill",
+                committed,
+                lambda base, delta: target_pb2.PrefillRequest(base=base, delta=delta),
+                self.ctx.settings.worker_timeout_s,
+            )
+
+    async def release(self) -> None:
+        """Free the session's KV on both workers (best effort: a dead worker holds nothing)."""
+        for link in (self.draft, self.target):
+            if link.worker is None:
+                continue
+            link.worker.sessions.discard(self.session_id)
+            # NOT_FOUND there already, or the worker is gone: nothing to free either way
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await link.worker.stub.Release(
+                    common_pb2.ReleaseRequest(session_id=self.session_id), timeout=2.0
+                )

@@ -1,0 +1,276 @@
+"""The speculation loop of one session, run by the coordinator that holds its lease.
+
+Each round: choose γ → propose (draft pool) → verify (target pool) → detokenise and apply the
+stop conditions → commit to Redis (compare-and-set) → publish to the session's streams →
+record statistics, metrics and the policy's observations. Tokens reach `generated` (what
+streams read) only after Redis acknowledged them: commit before stream (invariant 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from coordinator.context import RunContext
+from coordinator.links import SessionLinks
+from coordinator.policy import AdaptiveGamma, RoundTiming
+from coordinator.stats import Stats
+from coordinator.store import LostSession, SessionRecord
+from specdec.core.params import SamplingParams
+from specdec.serving.telemetry import span
+from specdec.serving.wire import processors_to_proto
+from specdec.text.detok import FinishReason, OutputStream, StreamStep
+from specdec.v1 import draft_pb2, target_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundOutcome:
+    """What one round produced, before and after its commit."""
+
+    gamma: int  # candidates verified
+    accepted: int
+    step: StreamStep  # tokens to commit and their text
+    tokens: list[int]
+    reason: FinishReason | None = None
+    tail: str = ""
+
+
+class SessionRun:
+    """Runs one session to completion on this coordinator (the lease holder)."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        record: SessionRecord,
+        epoch: int,
+        params: SamplingParams,
+        started: float,
+    ):
+        self.ctx = ctx
+        self.record = record
+        self.session_id = record.session_id
+        self.params = params
+        self.processors = processors_to_proto(params)
+        self.prompt = list(record.prompt)
+        self.generated = list(record.generated)  # committed in Redis, in order
+        self.texts = list(record.texts)  # per generated token, its text
+        self.tail = ""  # text released at the end, after the last token's
+        self.committed = self.prompt + self.generated  # kept in step with `generated`
+        self.max_new_tokens = params.max_new_tokens
+        self.started = started
+        self.stats = Stats.restore(record.stats)
+        self.links = SessionLinks(
+            ctx,
+            self.session_id,
+            epoch,
+            {"draft": record.draft_worker, "target": record.target_worker},
+            self.stats,
+        )
+        self.policy = AdaptiveGamma(ctx.settings.max_speculative_tokens, ctx.costs)
+        self.finish_reason: FinishReason | None = None
+        self.changed = asyncio.Event()
+        self.cancel_requested = False
+        self.error: BaseException | None = None
+        self.output = OutputStream(
+            ctx.tokenizer,
+            self.prompt,
+            stop=params.stop,
+            stop_token_ids=params.stop_token_ids,
+            eos_token_ids=ctx.eos_token_ids,
+            ignore_eos=params.ignore_eos,
+            max_new_tokens=self.max_new_tokens,
+        )
+        if self.generated:  # a takeover: rebuild stop-string state from the committed tokens
+            self.output.push(self.generated)
+
+    @property
+    def epoch(self) -> int:
+        return self.links.epoch
+
+    # --- the loop -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            if self.record.gamma != 0:
+                await self.links.attach("draft", exclude=set())
+            while self.finish_reason is None:
+                with span("specdec.round", session_id=self.session_id, epoch=self.epoch):
+                    await self.round()
+        except LostSession as exc:
+            log.warning("%s; stopping", exc)
+            self.ctx.count("lost")
+            self.error = exc
+        except BaseException as exc:
+            self.error = exc
+            if not isinstance(exc, asyncio.CancelledError):
+                log.exception("session %s failed", self.session_id)
+            raise
+        finally:
+            self.changed.set()
+            if self.record.gamma is None:
+                log.debug("session %s policy: %s", self.session_id, self.policy.describe())
+            await self.links.release()
+
+    async def round(self) -> None:
+        t0 = time.perf_counter()
+        await self._reattach_draft()
+        gamma = self.choose_gamma()
+        proposal = await self.propose(gamma) if gamma > 0 else None
+        t1 = time.perf_counter()
+        result = await self.verify(proposal)
+        t2 = time.perf_counter()
+        outcome = self.accept(proposal, result)
+        await self.commit(outcome)
+        self.publish(outcome)
+        round_s = time.perf_counter() - t0
+        self.record_round(outcome, proposal, result, (t0, t1, t2), round_s)
+
+    # --- the steps of a round -------------------------------------------------------
+
+    async def _reattach_draft(self) -> None:
+        """A session that went target-only gets a draft again as soon as one is alive."""
+        if self.links.draft.worker is None and self.ctx.drafts.alive() and self.record.gamma != 0:
+            await self.links.attach("draft", exclude=set())
+
+    def choose_gamma(self) -> int:
+        """The request's γ, else the adaptive policy's; never past the length budget."""
+        if self.links.draft.worker is None:
+            return 0
+        remaining = self.max_new_tokens - len(self.generated)
+        fixed = self.record.gamma
+        gamma = self.policy.choose() if fixed is None else fixed
+        gamma = min(gamma, self.ctx.settings.max_speculative_tokens, remaining - 1)
+        return max(gamma, 0)
+
+    async def propose(self, gamma: int) -> draft_pb2.ProposeResponse | None:
+        """Step 1: γ candidates and their q̃ from the draft tier (None: go target-only)."""
+        return await self.links.propose(
+            self.committed,
+            lambda base, delta: draft_pb2.ProposeRequest(
+                base=base,
+                delta=delta,
+                num_speculative_tokens=gamma,
+                sampling=self.processors,
+                seed=self.record.seed,
+            ),
+        )
+
+    async def verify(self, proposal) -> target_pb2.VerifyResponse:
+        """Step 2: the target verifies the candidates (none: a plain decoding step)."""
+        candidates = list(proposal.candidate_ids) if proposal is not None else []
+        dists = list(proposal.draft_dists) if proposal is not None else []
+        remaining = self.max_new_tokens - len(self.generated)
+        return await self.links.verify(
+            self.committed,
+            lambda base, delta: target_pb2.VerifyRequest(
+                base=base,
+                delta=delta,
+                candidate_ids=candidates,
+                draft_dists=dists,
+                sampling=self.processors,
+                seed=self.record.seed,
+                max_output_tokens=remaining,
+            ),
+        )
+
+    def accept(self, proposal, result: target_pb2.VerifyResponse) -> RoundOutcome:
+        """Step 3: stop conditions and text for the verified tokens; what ends the session now."""
+        gamma = len(proposal.candidate_ids) if proposal is not None else 0
+        output_ids = list(result.output_ids)
+        step = self.output.push(output_ids)
+        reason = step.finish_reason
+        tail = step.tail
+        if reason is None and self.cancel_requested:
+            reason = FinishReason.CANCELLED
+            tail = self.output.finish(reason)
+        elif reason is None:
+            tail = self.output.tail()  # stored only if CancelSession ends the session in Redis
+        tokens = output_ids[: step.num_tokens]
+        return RoundOutcome(gamma, result.num_accepted, step, tokens, reason, tail)
+
+    async def commit(self, outcome: RoundOutcome) -> None:
+        """Step 4: append the round's tokens in Redis (compare-and-set on the version)."""
+        self.stats.count_round(outcome.gamma, outcome.accepted)
+        generated = len(self.generated) + len(outcome.tokens)
+        if self.stats.first_token_s is None and outcome.tokens:
+            self.stats.first_token_s = time.time() - self.started
+        _, committed_reason = await self.ctx.store.commit(
+            self.session_id,
+            self.ctx.owner,
+            len(self.committed),
+            self.epoch,
+            outcome.tokens,
+            list(outcome.step.texts),
+            self.stats.as_dict(len(self.prompt), generated, time.time() - self.started),
+            outcome.reason.name if outcome.reason is not None else "",
+            outcome.tail,
+        )
+        if committed_reason and outcome.reason is None:  # CancelSession reached us via Redis
+            outcome.reason = FinishReason[committed_reason]
+            self.output.finish(outcome.reason)
+
+    def publish(self, outcome: RoundOutcome) -> None:
+        """Step 5: what Redis holds now reaches the streams."""
+        self.generated += outcome.tokens
+        self.texts += outcome.step.texts
+        self.committed += outcome.tokens
+        if outcome.reason is not None:
+            self.tail = outcome.tail
+        self.finish_reason = outcome.reason
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def stats_dict(self) -> dict:
+        return self.stats.as_dict(len(self.prompt), len(self.generated), time.time() - self.started)
+
+    def record_round(self, outcome: RoundOutcome, proposal, result, marks, round_s: float) -> None:
+        """Step 6: metrics, the policy's observations and the debug log."""
+        t0, t1, t2 = marks
+        gamma, accepted = outcome.gamma, outcome.accepted
+        self._observe_metrics(gamma, accepted, outcome.tokens, outcome.reason, round_s)
+        timing = RoundTiming(
+            round_s=round_s,
+            draft_s=t1 - t0,
+            verify_s=t2 - t1,
+            verify_forward_s=result.forward_ns / 1e9,
+            verify_queue_s=result.queue_ns / 1e9,
+            batch_size=max(result.batch_size, 1),
+            batch_positions=result.batch_positions or None,
+            batch_seq=result.batch_seq or None,
+            worker=self.links.target.worker.address if self.links.target.worker else "",
+        )
+        if proposal is not None and gamma:
+            timing.draft_forward_s = proposal.forward_ns / 1e9
+            timing.draft_queue_s = proposal.queue_ns / 1e9
+        self.policy.observe(gamma, accepted, accepted < gamma, timing)
+        log.debug(
+            "session %s round %d: γ=%d accepted=%d draft %.1f ms verify %.1f ms round %.1f ms",
+            self.session_id,
+            self.stats.rounds,
+            gamma,
+            accepted,
+            1000 * (t1 - t0),
+            1000 * (t2 - t1),
+            1000 * round_s,
+        )
+
+    def _observe_metrics(
+        self, gamma: int, accepted: int, tokens: list[int], reason, round_s
+    ) -> None:
+        m = self.ctx.metrics
+        if m is None:
+            return
+        m.rounds.add(1)
+        m.generated.add(len(tokens))
+        m.draft_tokens.add(gamma)
+        m.accepted.add(accepted)
+        m.round_seconds.record(round_s)
+        m.acceptance_length.record(accepted + 1)
+        if self.stats.rounds == 1 and self.stats.first_token_s is not None:
+            m.ttft.record(self.stats.first_token_s)
+        if reason is not None:
+            m.requests.add(1, {"finish_reason": reason.name})

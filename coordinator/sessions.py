@@ -1,0 +1,176 @@
+"""The sessions of one coordinator: create, resume or take over, run, follow, keep leases.
+
+A session is run by exactly one coordinator, the holder of its lease in Redis. A client
+attached to another coordinator (or reattaching with the same session id) follows the
+session's committed tokens in Redis, and takes the session over when its owner's lease has
+expired. Streams only ever see what Redis holds (commit before stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from coordinator.admission import admit
+from coordinator.context import RunContext
+from coordinator.run import SessionRun
+from coordinator.store import LostSession, SessionRecord
+from specdec.core.params import SamplingParams
+from specdec.errors import Exhausted, NotFound, Unavailable
+from specdec.text.detok import FinishReason
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Update:
+    """Committed tokens of a session from `offset` on, with their text; the last has the end."""
+
+    session_id: str
+    offset: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    stats: dict | None = None
+
+
+class Sessions:
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.runs: dict[str, tuple[SessionRun, asyncio.Task]] = {}
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    # --- opening ----------------------------------------------------------------------
+
+    async def open(self, request) -> SessionRun | None:
+        """Start a new session or find/resume an existing one; None = follow it in Redis."""
+        session_id = request.session_id
+        if session_id in self.runs:
+            return self.runs[session_id][0]
+        record = await self.ctx.store.load(session_id) if session_id else None
+        if record is None:
+            return await self._create(request)
+        if record.status == "finished":
+            return None
+        epoch = await self.ctx.store.take_over(record.session_id, self.ctx.owner)
+        if epoch is None:
+            return None  # another live coordinator runs it: follow it in Redis
+        record = await self.ctx.store.load(record.session_id)
+        run = self._spawn(record, epoch, SamplingParams.from_dict(record.sampling, record.seed))
+        run.stats.takeovers += 1
+        self.ctx.count("takeovers")
+        log.info(
+            "took over session %s at %d generated tokens (epoch %d)",
+            record.session_id,
+            len(record.generated),
+            epoch,
+        )
+        return run
+
+    async def _create(self, request) -> SessionRun | None:
+        targets = self.ctx.targets
+        max_context = min((w.info.max_context for w in targets.alive()), default=1 << 30)
+        admission = admit(request, self.ctx.settings, self.ctx.tokenizer, max_context)
+        if not targets.alive():
+            await targets.refresh()
+            if not targets.alive():
+                raise Unavailable("no target worker is available")
+        if len(self.runs) >= self.ctx.settings.max_sessions:
+            raise Exhausted(f"this coordinator runs {len(self.runs)} sessions (--max-sessions)")
+        params = admission.params
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        record = SessionRecord(
+            session_id=request.session_id or uuid.uuid4().hex,
+            epoch=0,
+            version=len(admission.prompt),
+            prompt=admission.prompt,
+            generated=[],
+            sampling=params.to_dict(),
+            seed=seed,
+            gamma=admission.gamma,
+        )
+        if not await self.ctx.store.create(record, self.ctx.owner):
+            return await self.open(request)  # lost a creation race: attach to the winner
+        return self._spawn(record, record.epoch, params)
+
+    def _spawn(self, record: SessionRecord, epoch: int, params: SamplingParams) -> SessionRun:
+        run = SessionRun(self.ctx, record, epoch, params, started=time.time())
+        task = asyncio.create_task(run.run())
+        self.runs[record.session_id] = (run, task)
+        task.add_done_callback(lambda _t, sid=record.session_id: self.runs.pop(sid, None))
+        return run
+
+    # --- following --------------------------------------------------------------------
+
+    async def follow(self, request) -> AsyncIterator[Update]:
+        """Committed tokens of a session from `request.resume_from`; take over if orphaned."""
+        offset = request.resume_from
+        run = await self.open(request)
+        session_id = run.session_id if run else request.session_id
+        while True:
+            if run is not None:
+                if len(run.generated) > offset:
+                    yield Update(
+                        session_id, offset, run.generated[offset:], "".join(run.texts[offset:])
+                    )
+                    offset = len(run.generated)
+                if run.finish_reason is not None and offset >= len(run.generated):
+                    yield Update(
+                        session_id, offset, [], run.tail, run.finish_reason, run.stats_dict()
+                    )
+                    return
+                if run.error is not None and run.finish_reason is None:
+                    if isinstance(run.error, LostSession):
+                        run = await self.open(request)  # another coordinator has it: follow
+                        continue
+                    if isinstance(run.error, asyncio.CancelledError):
+                        raise Unavailable("the coordinator is shutting down; resume elsewhere")
+                    raise run.error
+                await run.changed.wait()
+                continue
+            record = await self.ctx.store.load(session_id)
+            if record is None:
+                raise NotFound(f"session_id {session_id!r} is unknown or expired")
+            if len(record.generated) > offset:
+                yield Update(
+                    session_id, offset, record.generated[offset:], "".join(record.texts[offset:])
+                )
+                offset = len(record.generated)
+            if record.status == "finished":
+                reason = FinishReason[record.finish_reason]
+                yield Update(session_id, offset, [], record.tail, reason, record.stats)
+                return
+            if not record.owner:
+                run = await self.open(request)
+                continue
+            await asyncio.sleep(0.02)
+
+    def cancel_local(self, session_id: str) -> None:
+        """Stop a session this coordinator runs; its loop commits CANCELLED and releases workers."""
+        if session_id in self.runs:
+            self.runs[session_id][0].cancel_requested = True
+
+    # --- leases -----------------------------------------------------------------------
+
+    async def renew_leases(self) -> None:
+        """Extend the lease of every running session; stop the loops whose lease is lost."""
+        for session_id, (run, task) in list(self.runs.items()):
+            if run.finish_reason is not None:
+                continue  # finished: the commit released the lease
+            try:
+                if not await self.ctx.store.renew(session_id, self.ctx.owner, run.epoch):
+                    log.warning("lease of %s lost; stopping its loop", session_id)
+                    task.cancel()
+            except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next period
+                log.warning("lease renewal failed: %s", exc)
+
+    def stop(self) -> None:
+        for _, task in list(self.runs.values()):
+            task.cancel()

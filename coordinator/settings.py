@@ -1,0 +1,47 @@
+"""The coordinator's flags (each also SPECDEC_<FLAG>), as one settings dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.serving.settings import opt
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    tokenizer: str = opt("models/target", "directory of the target model's tokenizer")
+    host: str = opt("127.0.0.1", "address to bind (0.0.0.0 in a container)")
+    port: int = opt(50051, "gRPC port of the public API (0 = pick a free one)")
+    redis_url: str = opt(
+        "", "Redis for sessions and the worker registry (empty = embedded redis-server)"
+    )
+    draft_addr: str = opt(
+        "", "comma-separated static draft worker addresses (besides the registry)"
+    )
+    target_addr: str = opt(
+        "", "comma-separated static target worker addresses (besides the registry)"
+    )
+    max_sessions: int = opt(
+        256, "concurrent sessions this coordinator runs (RESOURCE_EXHAUSTED beyond)"
+    )
+    max_prompt_tokens: int = opt(4096, "longest prompt accepted (INVALID_ARGUMENT beyond)")
+    max_new_tokens: int = opt(4096, "largest sampling.max_new_tokens accepted")
+    default_max_new_tokens: int = opt(256, "max_new_tokens when a request leaves it 0")
+    max_speculative_tokens: int = opt(
+        8, "largest γ: the adaptive policy's bound and the request limit"
+    )
+    lease_s: float = opt(
+        3.0, "session lease TTL; another coordinator may take over after it expires"
+    )
+    session_ttl_s: int = opt(3600, "how long a finished session stays readable in Redis")
+    worker_timeout_s: float = opt(
+        30.0, "deadline of a Verify call and of finding another target worker"
+    )
+    draft_timeout_s: float = opt(5.0, "deadline of a Propose call; past it the session fails over")
+    prefill_threshold: int = opt(
+        256, "a target that lacks more committed tokens than this gets a chunked Prefill first"
+    )
+    coordinator_id: str = opt("", "owner id in session leases (default: random)")
+    grace_s: float = opt(10.0, "on SIGTERM, how long in-flight streams may finish")
+    metrics_port: int = opt(0, "Prometheus metrics port (0 = off)")
+    log_level: str = opt("info", "debug | info | warning | error")

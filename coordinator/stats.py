@@ -1,0 +1,65 @@
+"""A session's generation statistics: counted per round, stored with every commit."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from specdec.core.acceptance import alpha_hat
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    rejection_rounds: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    gamma_sum: int = 0
+    draft_failovers: int = 0
+    target_failovers: int = 0
+    takeovers: int = 0
+    first_token_s: float | None = None
+
+    @classmethod
+    def restore(cls, stored: dict) -> Stats:
+        """The counters a previous owner stored with its last commit (a takeover goes on)."""
+        names = {f.name for f in fields(cls)}
+        raw = stored.get("_raw", {})
+        stats = cls(**{k: v for k, v in raw.items() if k in names})
+        stats.accepted_per_position = list(stats.accepted_per_position or [])
+        return stats
+
+    def count_round(self, gamma: int, accepted: int) -> None:
+        self.rounds += 1
+        self.gamma_sum += gamma
+        self.draft_tokens += gamma
+        self.accepted_tokens += accepted
+        self.rejection_rounds += int(accepted < gamma)
+        if len(self.accepted_per_position) < gamma:
+            self.accepted_per_position += [0] * (gamma - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def as_dict(self, prompt_tokens: int, generated: int, elapsed_s: float) -> dict:
+        """GenerationStats fields, plus the raw counters under `_raw` (for a takeover)."""
+        rounds = max(self.rounds, 1)
+        accepted = self.accepted_tokens
+        return {
+            "prompt_tokens": prompt_tokens,
+            "generated_tokens": generated,
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / self.draft_tokens if self.draft_tokens else 0.0,
+            "mean_acceptance_length": (accepted + self.rounds) / rounds if self.rounds else 0.0,
+            "accepted_per_position": list(self.accepted_per_position),
+            "alpha": alpha_hat(accepted, self.rejection_rounds),
+            "time_to_first_token_ms": 1000.0 * (self.first_token_s or 0.0),
+            "total_time_ms": 1000.0 * elapsed_s,
+            "tokens_per_second": generated / elapsed_s if elapsed_s > 0 else 0.0,
+            "mean_speculative_tokens": self.gamma_sum / rounds if self.rounds else 0.0,
+            "draft_failovers": self.draft_failovers,
+            "target_failovers": self.target_failovers,
+            "takeovers": self.takeovers,
+            "_raw": asdict(self),
+        }

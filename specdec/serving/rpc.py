@@ -1,0 +1,86 @@
+"""Status mapping for gRPC handlers, in one place.
+
+Only the project's own client-facing errors (`specdec.errors`) become client codes, with
+their message. A deadline that ran out is DEADLINE_EXCEEDED. Anything else is a bug of ours:
+INTERNAL with a generic message that carries a request id; the traceback goes to the log
+under the same id, so nothing about hosts, paths or code reaches the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import uuid
+
+import grpc
+
+from specdec import errors
+from specdec.serving import telemetry
+
+log = logging.getLogger(__name__)
+
+STATUS = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.StaleBase: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Exhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and client-safe message for an exception raised in a handler."""
+    for cls, code in STATUS.items():
+        if isinstance(exc, cls):
+            return code, str(exc)
+    if isinstance(exc, asyncio.TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    request_id = uuid.uuid4().hex[:16]
+    log.error("internal error, request id %s", request_id, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
+
+
+def _record(service, name: str, code: grpc.StatusCode) -> None:
+    hook = getattr(service, "record_call", None)
+    if hook is not None:
+        hook(name, code.name)
+
+
+async def _abort(service, context, exc: BaseException, name: str):
+    code, message = status_of(exc)
+    _record(service, name, code)
+    await context.abort(code, message)
+
+
+def rpc(method):
+    """Map errors raised by an async handler (unary or streaming) to gRPC statuses."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+                _record(self, method.__name__, grpc.StatusCode.OK)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status, never a crash
+                await _abort(self, context, exc, method.__name__)
+
+        return stream_wrapper
+
+    @functools.wraps(method)
+    async def unary_wrapper(self, request, context):
+        try:
+            with telemetry.span(f"{type(self).__name__}.{method.__name__}"):
+                response = await method(self, request, context)
+            _record(self, method.__name__, grpc.StatusCode.OK)
+            return response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, never a crash
+            await _abort(self, context, exc, method.__name__)
+
+    return unary_wrapper

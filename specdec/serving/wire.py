@@ -1,0 +1,92 @@
+"""Conversions between the wire messages (specdec.v1) and the project's value types.
+
+The one place where sampling parameters cross between proto, `SamplingParams` and the form
+stored in Redis, where token ids from the wire are checked against the vocabulary, and where
+stream chunks fold into a whole response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from specdec.core.params import SamplingParams
+from specdec.errors import InvalidArgument
+from specdec.v1 import common_pb2, coordinator_pb2
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, prefix: str = "sampling") -> SamplingParams:
+    """Validated SamplingParams from the wire (InvalidArgument naming the field)."""
+    if not 0.0 <= msg.top_p <= 1.0:  # also refuses NaN, which the mapping below sends to 1
+        raise InvalidArgument(f"{prefix}.top_p must be in [0, 1], got {msg.top_p}")
+    params = SamplingParams(
+        temperature=float(msg.temperature),
+        top_k=int(msg.top_k),
+        top_p=float(msg.top_p) if 0.0 < msg.top_p < 1.0 else 1.0,
+        min_p=float(msg.min_p),
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+        max_new_tokens=int(msg.max_new_tokens),
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+        ignore_eos=bool(msg.ignore_eos),
+    )
+    params.validate(prefix)
+    return params
+
+
+def processors_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """What a worker needs to shape p and q̃: the processors only."""
+    return common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Every field, as a client sent it (the seed included when there is one)."""
+    msg = processors_to_proto(params)
+    if params.seed is not None:
+        msg.seed = params.seed
+    msg.max_new_tokens = params.max_new_tokens
+    msg.stop.extend(params.stop)
+    msg.stop_token_ids.extend(params.stop_token_ids)
+    msg.ignore_eos = params.ignore_eos
+    return msg
+
+
+def check_tokens(tokens: Iterable[int], vocab_size: int, field_name: str) -> list[int]:
+    """Token ids as ints; InvalidArgument naming the first one outside the vocabulary."""
+    tokens = [int(t) for t in tokens]
+    for i, token in enumerate(tokens):
+        if token >= vocab_size:
+            raise InvalidArgument(
+                f"{field_name}[{i}] = {token} is outside the vocabulary ({vocab_size})"
+            )
+    return tokens
+
+
+def stats_to_proto(stats: dict | None) -> coordinator_pb2.GenerationStats:
+    """GenerationStats from the stats dict stored with a session (unknown keys ignored)."""
+    fields = coordinator_pb2.GenerationStats.DESCRIPTOR.fields_by_name
+    return coordinator_pb2.GenerationStats(
+        **{k: v for k, v in (stats or {}).items() if k in fields}
+    )
+
+
+def merge_chunk(response: coordinator_pb2.GenerateResponse, chunk) -> None:
+    """Fold one GenerateChunk into a GenerateResponse."""
+    response.session_id = chunk.session_id
+    response.token_ids.extend(chunk.token_ids)
+    response.text += chunk.text
+    if chunk.finish_reason:
+        response.finish_reason = chunk.finish_reason
+        response.stats.CopyFrom(chunk.stats)
+
+
+def merge(chunks) -> coordinator_pb2.GenerateResponse:
+    """The whole response of a stream of chunks."""
+    response = coordinator_pb2.GenerateResponse()
+    for chunk in chunks:
+        merge_chunk(response, chunk)
+    return response

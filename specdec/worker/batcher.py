@@ -1,0 +1,167 @@
+"""Dynamic batching: concurrent requests of many sessions become one forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    item: Any
+    tokens: int
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter_ns)
+
+
+class BatchRun(NamedTuple):
+    """One item's result and the batched pass it ran in."""
+
+    result: Any
+    queue_ns: int  # waiting for the pass to start
+    forward_ns: int  # the pass itself
+    batch_size: int  # items in the pass
+    positions: int  # what the pass computed: batch_size x the longest item (padding included)
+    batch_seq: int  # the pass's sequence number on this worker (1, 2, ...)
+
+
+class Batcher:
+    """Collects concurrent requests into batches run by ONE model thread.
+
+    A batch closes when it holds max_batch_size items or max_batch_tokens tokens, or as soon
+    as it holds every session that was active in the last second and not released since (so a
+    lone session never waits), or when waiting for the rest has taken `wait_fraction` of a
+    recent forward pass (EWMA) or max_wait_ms, whichever is less. Waiting pays because a
+    forward pass has a large fixed cost (per-layer work that does not grow with the batch):
+    sessions whose results came back together return one after another as their coordinator
+    handles them, and closing early would split them into several small, costly passes.
+    Items that arrive while the model is busy form the next batch. `process(items)` runs in
+    the model thread and returns one result per item (an Exception instance fails only it).
+    """
+
+    def __init__(
+        self,
+        process: Callable[[list], list],
+        max_batch_size: int,
+        max_batch_tokens: int,
+        max_wait_ms: float,
+        wait_fraction: float = 0.5,
+    ):
+        self.process = process
+        self.wait_fraction = wait_fraction
+        self.forward_s = 0.0  # EWMA of the forward time of a batch
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_wait_s = max_wait_ms / 1000.0
+        self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.in_flight = 0
+        self._task: asyncio.Task | None = None
+        self._carry: _Pending | None = None
+        self._recent: dict[object, float] = {}  # session → last submit (monotonic seconds)
+        self.batches_run = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _active_sessions(self) -> int:
+        """Sessions that submitted within the last second: how big a batch is worth waiting for."""
+        horizon = time.monotonic() - 1.0
+        for key in [k for k, seen in self._recent.items() if seen < horizon]:
+            del self._recent[key]
+        return max(1, len(self._recent))
+
+    def forget(self, session_id: str) -> None:
+        """A released session will not come back: batches stop waiting for it."""
+        self._recent.pop(session_id, None)
+
+    async def submit(self, item, tokens: int):
+        """Queue one item; returns its `BatchRun` once the batch it joined has run."""
+        session = getattr(item, "session", None)
+        self._recent[getattr(session, "session_id", id(item))] = time.monotonic()
+        future = asyncio.get_running_loop().create_future()
+        self.in_flight += 1
+        try:
+            await self.queue.put(_Pending(item, tokens, future))
+            return await future
+        finally:
+            self.in_flight -= 1
+
+    async def _collect(self) -> list[_Pending]:
+        first = self._carry or await self.queue.get()
+        self._carry = None
+        batch, tokens = [first], first.tokens
+        deadline = time.perf_counter() + min(self.max_wait_s, self.wait_fraction * self.forward_s)
+        expected = self._active_sessions()
+        while len(batch) < self.max_batch_size:
+            try:
+                nxt = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0 or len(batch) >= expected:
+                    break  # nobody else is likely to come: do not make this batch wait
+                try:
+                    nxt = await asyncio.wait_for(self.queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            if tokens + nxt.tokens > self.max_batch_tokens:
+                self._carry = nxt  # starts the next batch
+                break
+            batch.append(nxt)
+            tokens += nxt.tokens
+        return batch
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [p for p in await self._collect() if not p.future.done()]
+            if not batch:
+                continue
+            start = time.perf_counter_ns()
+            try:
+                results = await loop.run_in_executor(
+                    self.executor, self.process, [p.item for p in batch]
+                )
+            except Exception as exc:  # noqa: BLE001 - fail this batch's calls, keep serving
+                results = [exc] * len(batch)
+            forward_ns = time.perf_counter_ns() - start
+            last = forward_ns / 1e9
+            self.forward_s = 0.8 * self.forward_s + 0.2 * last if self.forward_s else last
+            positions = len(batch) * max(p.tokens for p in batch)
+            self.batches_run += 1
+            log.debug(
+                "batch %d: %d items, %d positions, waited %.1f ms, forward %.1f ms",
+                self.batches_run,
+                len(batch),
+                positions,
+                (start - batch[0].enqueued) / 1e6,
+                last * 1000,
+            )
+            for pending, result in zip(batch, results):
+                if pending.future.done():
+                    continue
+                if isinstance(result, Exception):
+                    pending.future.set_exception(result)
+                else:
+                    pending.future.set_result(
+                        BatchRun(
+                            result,
+                            start - pending.enqueued,
+                            forward_ns,
+                            len(batch),
+                            positions,
+                            self.batches_run,
+                        )
+                    )

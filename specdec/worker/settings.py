@@ -1,0 +1,32 @@
+"""Flags both worker tiers take; each tier's settings subclass overrides what differs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specdec.serving.settings import opt
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """Flags both worker tiers take; each tier overrides the defaults that differ."""
+
+    model: str = opt("", "Hugging Face model directory")
+    host: str = opt("127.0.0.1", "address to bind (0.0.0.0 in a container)")
+    port: int = opt(0, "gRPC port (0 = pick a free one)")
+    threads: int = opt(1, "torch intra-op threads")
+    device: str = opt("auto", "auto | cpu | cuda[:N]")
+    dtype: str = opt(
+        "auto", "auto | float32 | float16 | bfloat16", ["auto", "float32", "float16", "bfloat16"]
+    )
+    max_sessions: int = opt(256, "sessions whose KV is cached (LRU beyond)")
+    max_kv_mb: int = opt(1024, "KV cache memory budget in MiB (LRU eviction beyond)")
+    max_speculative_tokens: int = opt(16, "largest γ accepted")
+    max_batch_size: int = opt(32, "most sessions in one batched forward")
+    max_wait_ms: float = opt(1.0, "how long a batch waits for more sessions after its first")
+    redis_url: str = opt("", "register in this Redis (empty = static addressing only)")
+    advertise_addr: str = opt("", "address registered in Redis (default host:port)")
+    heartbeat_s: float = opt(2.0, "registry heartbeat period; the entry expires after 3 periods")
+    grace_s: float = opt(10.0, "on SIGTERM, how long in-flight calls may finish")
+    metrics_port: int = opt(0, "Prometheus metrics port (0 = off)")
+    log_level: str = opt("info", "debug | info | warning | error")
