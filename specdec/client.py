@@ -84,6 +84,15 @@ class _ClientBase:
     def _address(self) -> str:
         return self.addresses[self._index % len(self.addresses)]
 
+    def _backoff(self, exc: grpc.RpcError, attempt: int) -> float:
+        """Seconds to wait before retry `attempt` (from 1); re-raises what is not retryable."""
+        if exc.code() not in RETRYABLE or attempt > self.retries:
+            raise exc
+        return self.backoff_s * attempt
+
+    def _remaining(self, deadline: float) -> float:
+        return max(0.1, deadline - time.monotonic())
+
 
 class Client(_ClientBase):
     """Blocking client; `addresses` are coordinators tried in turn on UNAVAILABLE."""
@@ -113,7 +122,7 @@ class Client(_ClientBase):
             request.resume_from = received
             try:
                 for chunk in self._connect().GenerateStream(
-                    request, timeout=max(0.1, deadline - time.monotonic())
+                    request, timeout=self._remaining(deadline)
                 ):
                     attempt = 0
                     received = chunk.offset + len(chunk.token_ids)
@@ -122,11 +131,10 @@ class Client(_ClientBase):
                         return
                 return
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or attempt >= self.retries:
-                    raise
                 attempt += 1
+                wait = self._backoff(exc, attempt)
                 self._rotate()
-                time.sleep(self.backoff_s * attempt)
+                time.sleep(wait)
 
     def generate(self, prompt, **kwargs) -> coordinator_pb2.GenerateResponse:
         """The whole completion (streamed underneath, so it also survives a coordinator restart)."""
@@ -154,9 +162,7 @@ class AsyncClient(_ClientBase):
 
     def _connect(self):
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
-                self.addresses[self._index % len(self.addresses)]
-            )
+            self._channel = grpc.aio.insecure_channel(self._address())
             self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         return self._stub
 
@@ -177,9 +183,7 @@ class AsyncClient(_ClientBase):
         while True:
             request.resume_from = received
             try:
-                call = self._connect().GenerateStream(
-                    request, timeout=max(0.1, deadline - time.monotonic())
-                )
+                call = self._connect().GenerateStream(request, timeout=self._remaining(deadline))
                 async for chunk in call:
                     attempt = 0
                     received = chunk.offset + len(chunk.token_ids)
@@ -188,11 +192,10 @@ class AsyncClient(_ClientBase):
                         return
                 return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RETRYABLE or attempt >= self.retries:
-                    raise
                 attempt += 1
+                wait = self._backoff(exc, attempt)
                 await self._rotate()
-                await asyncio.sleep(self.backoff_s * attempt)
+                await asyncio.sleep(wait)
 
     async def generate(self, prompt, **kwargs) -> coordinator_pb2.GenerateResponse:
         response = coordinator_pb2.GenerateResponse()

@@ -120,24 +120,7 @@ class Stack:
                 line = self._spawn_worker("draft", i, s.draft_model, s.draft_threads, extra)
                 progress(f"{line} proposer={s.proposer}")
             self._wait(self.children, s.startup_timeout_s)
-            coordinator = self._spawn(
-                "coordinator",
-                "coordinator",
-                [
-                    "--tokenizer",
-                    s.target_model,
-                    "--host",
-                    s.host,
-                    "--port",
-                    str(s.port),
-                    "--draft-addr",
-                    ",".join(self.draft_addresses),
-                    "--target-addr",
-                    ",".join(self.target_addresses),
-                    *common,
-                    *s.coordinator_args,
-                ],
-            )
+            coordinator = self._spawn("coordinator", "coordinator", self._coordinator_args(s.port))
             self._wait([coordinator], s.startup_timeout_s)
             progress(f"coordinator  {self.address}")
             return self
@@ -149,29 +132,31 @@ class Stack:
         """Start another coordinator replica on the same Redis and workers (and wait for it)."""
         s = self.settings
         child = self._spawn(
-            name or f"coordinator-{port}",
-            "coordinator",
-            [
-                "--tokenizer",
-                s.target_model,
-                "--host",
-                s.host,
-                "--port",
-                str(port),
-                "--redis-url",
-                self.redis_url,
-                "--draft-addr",
-                ",".join(self.draft_addresses),
-                "--target-addr",
-                ",".join(self.target_addresses),
-                "--log-level",
-                s.log_level,
-                *s.coordinator_args,
-                *(extra or []),
-            ],
+            name or f"coordinator-{port}", "coordinator", self._coordinator_args(port, extra or [])
         )
         self._wait([child], s.startup_timeout_s)
         return child
+
+    def _coordinator_args(self, port: int, extra: list[str] = ()) -> list[str]:
+        s = self.settings
+        return [
+            "--tokenizer",
+            s.target_model,
+            "--host",
+            s.host,
+            "--port",
+            str(port),
+            "--redis-url",
+            self.redis_url,
+            "--draft-addr",
+            ",".join(self.draft_addresses),
+            "--target-addr",
+            ",".join(self.target_addresses),
+            "--log-level",
+            s.log_level,
+            *s.coordinator_args,
+            *extra,
+        ]
 
     def _wait(self, children: list[Child], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
