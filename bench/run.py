@@ -31,6 +31,7 @@ from pathlib import Path
 from bench import metrics
 from bench.interference import CpuWatch
 from bench.prompts import heldout_prompts
+from bench.serving import BenchStack
 
 MODES = (
     {"name": "greedy", "temperature": 0.0, "top_p": 1.0},
@@ -141,81 +142,12 @@ def greedy_check(reference: list[dict], records: list[dict]) -> dict:
     }
 
 
-class StackDied(RuntimeError):
-    """A process of the stack exited (or was killed from outside) during a measurement."""
-
-
-class BenchStack:
-    """The local stack for the benchmark; restarted when one of its processes dies."""
-
-    def __init__(self, args, prompts, log):
-        self.args, self.prompts, self.log = args, prompts, log
-        self.stack = None
-
-    def start(self) -> None:
-        from bench.serving import run_load_sync
-        from specdec.launcher.stack import Stack, StackSettings
-        from specdec.serving.redis_embedded import free_port
-
-        args = self.args
-        self.stack = Stack(
-            StackSettings(
-                target_model=args.target_model,
-                draft_model=args.draft_model,
-                port=free_port(),
-                host="127.0.0.1",
-                draft_threads=1,
-                target_threads=args.threads - 1,
-            )
-        )
-        self.stack.start(progress=lambda msg: self.log(f"  {msg}"))
-        top = max(args.concurrency)
-        for _name, gamma in SPECDEC:  # warm-up: every contender, batched, both modes
-            for mode in MODES:
-                run_load_sync(
-                    self.stack.address, self.prompts[:top], mode, gamma, 16, top, args.timeout_s
-                )
-        self.log("  warmed up (every specdec contender, both modes, 16 tokens)")
-
-    def stop(self) -> None:
-        if self.stack is not None:
-            self.stack.stop()
-
-    def measure(self, mode: dict, gamma: int | None, concurrency: int) -> dict:
-        """One configuration; if the stack dies meanwhile, restart it and measure again once."""
-        import grpc
-
-        from bench.serving import run_load_sync
-
-        for attempt in range(2):
-            try:
-                run = run_load_sync(
-                    self.stack.address,
-                    self.prompts,
-                    mode,
-                    gamma,
-                    self.args.max_new_tokens,
-                    concurrency,
-                    self.args.timeout_s,
-                )
-                dead = self.stack.dead_children()
-                if dead:
-                    raise StackDied(f"{dead[0].name} exited with code {dead[0].process.returncode}")
-                return run
-            except (grpc.RpcError, StackDied) as exc:
-                if attempt == 1:
-                    raise
-                self.log(f"  the stack failed ({str(exc).splitlines()[0]}); restarting it")
-                self.stop()
-                self.start()
-        raise AssertionError("unreachable")
-
-
 def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
     """Every specdec contender through the whole stack; then the direct round breakdown."""
     from bench.breakdown import breakdown
 
-    bench_stack = BenchStack(args, prompts, log)
+    warmups = [(mode, gamma) for _name, gamma in SPECDEC for mode in MODES]
+    bench_stack = BenchStack(args, prompts, log, warmups)
     try:
         bench_stack.start()
         for mode in MODES:

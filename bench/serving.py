@@ -3,6 +3,7 @@
 Each request goes through `GenerateStream`, so time to first token is measured on the client
 (when the first chunk with tokens arrives), not taken from the server's own stats. At
 concurrency C, C client slots each send their next prompt as soon as the previous one is done.
+`BenchStack` is the local stack the benchmark measures, restarted when a process dies.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from specdec.launcher.stack import Stack, StackSettings
+from specdec.serving.redis_embedded import free_port
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -93,3 +96,65 @@ async def run_load(
 
 def run_load_sync(*args, **kwargs) -> dict:
     return asyncio.run(run_load(*args, **kwargs))
+
+
+class StackDied(RuntimeError):
+    """A process of the stack exited (or was killed from outside) during a measurement."""
+
+
+class BenchStack:
+    """The local stack for the benchmark; restarted when one of its processes dies."""
+
+    def __init__(self, args, prompts, log, warmups: list[tuple[dict, int | None]]):
+        self.args, self.prompts, self.log = args, prompts, log
+        self.warmups = warmups  # (mode, γ) of every contender: each is run once, batched
+        self.stack = None
+
+    def start(self) -> None:
+        args = self.args
+        self.stack = Stack(
+            StackSettings(
+                target_model=args.target_model,
+                draft_model=args.draft_model,
+                port=free_port(),
+                host="127.0.0.1",
+                draft_threads=1,
+                target_threads=args.threads - 1,
+            )
+        )
+        self.stack.start(progress=lambda msg: self.log(f"  {msg}"))
+        top = max(args.concurrency)
+        for mode, gamma in self.warmups:
+            run_load_sync(
+                self.stack.address, self.prompts[:top], mode, gamma, 16, top, args.timeout_s
+            )
+        self.log("  warmed up (every specdec contender, both modes, 16 tokens)")
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.stop()
+
+    def measure(self, mode: dict, gamma: int | None, concurrency: int) -> dict:
+        """One configuration; if the stack dies meanwhile, restart it and measure again once."""
+        for attempt in range(2):
+            try:
+                run = run_load_sync(
+                    self.stack.address,
+                    self.prompts,
+                    mode,
+                    gamma,
+                    self.args.max_new_tokens,
+                    concurrency,
+                    self.args.timeout_s,
+                )
+                dead = self.stack.dead_children()
+                if dead:
+                    raise StackDied(f"{dead[0].name} exited with code {dead[0].process.returncode}")
+                return run
+            except (grpc.RpcError, StackDied) as exc:
+                if attempt == 1:
+                    raise
+                self.log(f"  the stack failed ({str(exc).splitlines()[0]}); restarting it")
+                self.stop()
+                self.start()
+        raise AssertionError("unreachable")

@@ -18,6 +18,7 @@ from specdec.errors import NotFound
 from specdec.serving import telemetry
 from specdec.serving.rpc import rpc
 from specdec.serving.wire import merge_chunk, sampling_to_proto, stats_to_proto
+from specdec.text.detok import FinishReason
 from specdec.text.tokenizer import eos_token_ids, vocab_fingerprint
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -152,11 +153,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             draft_worker=record.draft_worker,
             target_worker=record.target_worker,
             owner=record.owner,
-            finish_reason=coordinator_pb2.FinishReason.Value(
-                f"FINISH_REASON_{record.finish_reason}"
-            )
-            if record.finish_reason
-            else 0,
+            finish_reason=int(FinishReason[record.finish_reason]) if record.finish_reason else 0,
             stats=stats_to_proto(record.stats),
             created_unix=record.created,
             updated_unix=record.updated,

@@ -179,6 +179,7 @@ BAD = [
         "speculation.num_speculative_tokens",
     ),
     (dict(session_id="bad id with spaces"), "session_id"),
+    (dict(return_logprobs=True), "return_logprobs"),  # not served yet: refused, not ignored
 ]
 
 

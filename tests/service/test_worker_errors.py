@@ -1,4 +1,4 @@
-"""Bad input gets a clear gRPC status naming the field (ARCHITECTURE.md invariant 7), and
+"""Bad input gets a clear gRPC status naming the field (docs/architecture.md, invariant 7), and
 never disturbs a session: after every refused request the worker serves the session the
 request named (the "victim") exactly as before, from its cache."""
 

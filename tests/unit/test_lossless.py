@@ -34,7 +34,7 @@ def t(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
 
-# --- seed 000 §7: the worked example, exactly -------------------------------------------
+# --- the worked example (p=[0.6,0.3,0.1], q=[0.2,0.5,0.3]), exactly -------------------------------------------
 
 
 def test_worked_example_standard_rule_gives_p():

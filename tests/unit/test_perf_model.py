@@ -1,4 +1,4 @@
-"""Exact values of the performance model (ARCHITECTURE.md)."""
+"""Exact values of the performance model (docs/architecture.md)."""
 
 import math
 
