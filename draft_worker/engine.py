@@ -60,26 +60,27 @@ class ModelProposer:
         inputs = [item.session.pending() for item in items]
         for step in range(max(item.gamma for item in items)):
             active = [i for i, item in enumerate(items) if step < item.gamma]
-            logits = self.runtime.forward(
-                [items[i].session for i in active], [inputs[i] for i in active]
-            )
-            last = torch.stack([rows[-1] for rows in logits])  # [A, vocab]
+            last = self.runtime.forward(
+                [items[i].session for i in active], [inputs[i] for i in active], keep=1
+            )[:, -1]  # [A, vocab], on the model's device
             proposal = propose_step(
                 last,
                 [items[i].params for i in active],
-                seed_tensor([items[i].seed for i in active]),
-                torch.tensor([items[i].base_len + step for i in active]),
+                seed_tensor([items[i].seed for i in active], device=last.device),
+                torch.tensor([items[i].base_len + step for i in active], device=last.device),
                 self.wire_top_k,
                 [items[i].token_only for i in active],
             )
+            tokens = proposal.tokens.tolist()
+            if proposal.dist_ids is not None:
+                dist_ids, dist_weights = proposal.dist_ids.cpu(), proposal.dist_weights.cpu()
             for row, i in enumerate(active):
-                token = int(proposal.tokens[row])
-                outcomes[i].candidates.append(token)
+                outcomes[i].candidates.append(tokens[row])
                 if not items[i].token_only:
-                    ids, weights = encode_sparse(proposal.dist_ids[row], proposal.dist_weights[row])
+                    ids, weights = encode_sparse(dist_ids[row], dist_weights[row])
                     outcomes[i].dist_ids.append(ids)
                     outcomes[i].dist_weights.append(weights)
-                inputs[i] = [token]
+                inputs[i] = [tokens[row]]
         return outcomes
 
 

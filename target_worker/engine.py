@@ -8,10 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.core.params import SamplingParams
-from specdec.core.proposal import dense_q
+from specdec.core.processed import ProcessorParams, process
 from specdec.core.rng import seed_tensor
-from specdec.core.sampling import batched_probs, one_hot
-from specdec.core.verify import verify_block
+from specdec.core.verify import DraftBlock, verify_logits
 from specdec.engine.kv import KVSession
 from specdec.engine.model import ModelRuntime
 
@@ -53,8 +52,8 @@ class TargetEngine:
         results: list = [None] * len(items)
         prefill = [i for i, item in enumerate(items) if isinstance(item, PrefillItem)]
         if prefill:
-            self.runtime.forward(
-                [items[i].session for i in prefill], [items[i].tokens for i in prefill]
+            self.runtime.forward(  # logits of one position: the KV is what a prefill is for
+                [items[i].session for i in prefill], [items[i].tokens for i in prefill], keep=1
             )
             for i in prefill:
                 results[i] = len(items[i].tokens)
@@ -65,53 +64,84 @@ class TargetEngine:
         return results
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutcome]:
-        """Verify every item's candidates in one forward pass (batched over sessions)."""
-        vocab = self.runtime.vocab_size
-        inputs = [item.session.pending() + item.candidates for item in items]
-        computed = [len(x) for x in inputs]
-        logits = self.runtime.forward([item.session for item in items], inputs)
+        """Verify every item's candidates in one forward pass (batched over sessions).
+
+        The LM head runs for each session's last γ+1 positions only; the logits stay on the
+        model's device and go to `verify_logits` whole: no per-session loop touches them.
+        """
         gamma = max(len(item.candidates) for item in items)
-        batch = len(items)
-        target_logits = torch.zeros(batch, gamma + 1, vocab)
-        q = torch.zeros(batch, gamma, vocab, dtype=torch.float64)
-        candidates = torch.zeros(batch, gamma, dtype=torch.int64)
-        for b, (item, rows) in enumerate(zip(items, logits)):
-            g = len(item.candidates)
-            target_logits[b, : g + 1] = rows[-(g + 1) :]  # p_1..p_{g+1}
-            if g:
-                candidates[b, :g] = torch.tensor(item.candidates)
-                if item.dist_ids is None:
-                    q[b, :g] = one_hot(candidates[b, :g], vocab)
-                else:
-                    for i in range(g):
-                        q[b, i] = dense_q(
-                            torch.tensor(item.dist_ids[i]),
-                            torch.tensor(item.dist_weights[i]),
-                            vocab,
-                        )
-        params = [item.params for item in items]
-        p = batched_probs(target_logits, params)  # [B, γ+1, vocab]
-        result = verify_block(
-            p,
-            q,
-            candidates,
-            torch.tensor([len(item.candidates) for item in items]),
-            seed_tensor([item.seed for item in items]),
-            torch.tensor([item.base_len for item in items]),
+        inputs = [item.session.pending() + item.candidates for item in items]
+        logits = self.runtime.forward([item.session for item in items], inputs, keep=gamma + 1)
+        block = draft_block(items, gamma, logits.device)
+        greedy = torch.tensor([item.params.greedy for item in items], device=logits.device)
+        sampling = ProcessorParams.of(
+            [item.params for item in items if not item.params.greedy], device=logits.device
         )
+        seeds = seed_tensor([item.seed for item in items], device=logits.device)
+        base = torch.tensor([item.base_len for item in items], device=logits.device)
+        # a session with g < γ candidates: its p_1..p_{g+1} are the first g+1 of its last γ+1
+        shift = torch.tensor([gamma - len(item.candidates) for item in items], device=logits.device)
+        if bool(shift.any()):
+            slots = (torch.arange(gamma + 1, device=logits.device)[None] + shift[:, None]).clamp(
+                max=gamma
+            )
+            logits = logits.gather(1, slots[..., None].expand(-1, -1, logits.shape[-1]))
+        result = verify_logits(logits, greedy, sampling, block, seeds, base)
+        num_accepted = result.num_accepted.tolist()
+        outputs = result.output_tokens.tolist()
+        logprobs = self._logprobs(items, logits, sampling, greedy, result)
         outcomes = []
         for b, item in enumerate(items):
-            n = int(result.num_accepted[b])
-            output = result.output_tokens[b, : n + 1].tolist()
+            n = num_accepted[b]
             # keep the accepted candidates' KV; the recovered/bonus token has none yet
             item.session.crop(item.base_len + n)
-            logprobs = []
-            if item.return_logprobs:
-                dist = (
-                    p[b, : n + 1]
-                    if not item.params.greedy
-                    else target_logits[b, : n + 1].double().log_softmax(-1).exp()
-                )
-                logprobs = dist[torch.arange(n + 1), torch.tensor(output)].log().tolist()
-            outcomes.append(VerifyOutcome(n, output, logprobs, computed[b]))
+            outcomes.append(VerifyOutcome(n, outputs[b][: n + 1], logprobs[b], len(inputs[b])))
         return outcomes
+
+    def _logprobs(self, items, logits, sampling, greedy, result) -> list[list[float]]:
+        """log p of each output token under the request's processed p (the raw softmax for
+        greedy requests), for the items that asked; computed only then."""
+        wanted = [b for b, item in enumerate(items) if item.return_logprobs]
+        out: list[list[float]] = [[] for _ in items]
+        if not wanted:
+            return out
+        processed = None
+        if not bool(greedy.all()):
+            s = (~greedy).nonzero().squeeze(1)
+            processed = process(
+                logits[s].reshape(-1, logits.shape[-1]), sampling.repeat_rows(logits.shape[1])
+            )
+        sampling_row = {int(b): i for i, b in enumerate((~greedy).nonzero().squeeze(1).tolist())}
+        for b in wanted:
+            n = int(result.num_accepted[b])
+            tokens = result.output_tokens[b, : n + 1]
+            if items[b].params.greedy:
+                lp = logits[b, : n + 1].double().log_softmax(-1)
+                values = lp[torch.arange(n + 1), tokens]
+            else:
+                rows = sampling_row[b] * logits.shape[1] + torch.arange(n + 1, device=logits.device)
+                values = processed.prob(rows, tokens).log()
+            out[b] = values.tolist()
+        return out
+
+
+def draft_block(items: list[VerifyItem], gamma: int, device) -> DraftBlock:
+    """The items' candidates and sparse q̃ as padded tensors (token-only: the candidate, 1)."""
+    k = max([len(ids) for item in items for ids in (item.dist_ids or [])] + [1])
+    batch = len(items)
+    candidates = torch.zeros(batch, gamma, dtype=torch.int64)
+    q_ids = torch.zeros(batch, gamma, k, dtype=torch.int64)
+    q_weights = torch.zeros(batch, gamma, k, dtype=torch.float64)
+    for b, item in enumerate(items):
+        g = len(item.candidates)
+        if not g:
+            continue
+        candidates[b, :g] = torch.tensor(item.candidates)
+        if item.dist_ids is None:
+            q_ids[b, :g, 0], q_weights[b, :g, 0] = candidates[b, :g], 1.0
+        else:
+            for i, (ids, weights) in enumerate(zip(item.dist_ids, item.dist_weights)):
+                q_ids[b, i, : len(ids)] = torch.tensor(ids)
+                q_weights[b, i, : len(ids)] = torch.tensor(weights, dtype=torch.float64)
+    num = torch.tensor([len(item.candidates) for item in items])
+    return DraftBlock(candidates.to(device), num.to(device), q_ids.to(device), q_weights.to(device))

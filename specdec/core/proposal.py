@@ -13,12 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.core.params import SamplingParams
+from specdec.core.processed import WINDOW, ProcessorParams, process
 from specdec.core.rng import Stream, uniform
-from specdec.core.sampling import (
-    apply_processors,
-    group_by_params,
-    sample_inverse_cdf,
-)
+from specdec.core.sampling import sample_inverse_cdf
 from specdec.errors import InvalidArgument
 
 WIRE_WEIGHT_MAX = 65535  # the most likely kept token gets this weight
@@ -51,26 +48,31 @@ def propose_step(
     wire_top_k: int,
     token_only: list[bool],
 ) -> Proposal:
-    """Choose one candidate per session from draft logits [B, vocab].
+    """Choose one candidate per session from draft logits [B, vocab] (on the model's device).
 
-    Token-only sessions (greedy, or asked for) take the argmax; the others sample from q̃
-    with the DRAFT stream at their absolute position.
+    Token-only sessions (greedy) take the argmax; the others sample from q̃ with the DRAFT
+    stream at their absolute position. q̃ is the top-K of the processed distribution with
+    weights round(WIRE_WEIGHT_MAX · p(v) / p_max) = round(WIRE_WEIGHT_MAX · exp(z_v − z_max)):
+    the normaliser cancels, so only the window of the largest values is touched.
     """
-    batch = logits.shape[0]
+    batch, vocab = logits.shape
+    device = logits.device
     tokens = logits.argmax(dim=-1)  # [B]
     sampled = [b for b in range(batch) if not token_only[b]]
     if not sampled:
         return Proposal(tokens=tokens, dist_ids=None, dist_weights=None)
-    k = min(wire_top_k, logits.shape[-1])
-    dist_ids = torch.zeros(batch, k, dtype=torch.int64)
-    dist_weights = torch.zeros(batch, k, dtype=torch.int64)
-    idx = torch.tensor(sampled)
-    for key, rows in group_by_params([params[b] for b in sampled]).items():
-        rows = idx[rows]
-        probs = apply_processors(logits[rows], key).double().softmax(dim=-1)
-        dist_ids[rows], dist_weights[rows] = quantise(probs, k)
-    u = uniform(seeds[idx], positions[idx], Stream.DRAFT)
-    choice = sample_inverse_cdf(dist_weights[idx], u)  # [S]
+    k = min(wire_top_k, vocab)
+    idx = torch.tensor(sampled, device=device)
+    pp = ProcessorParams.of([params[b] for b in sampled], device=device)
+    processed = process(logits[idx], pp, window=max(WINDOW, k))
+    z = processed.top_z[:, :k]
+    scaled = torch.exp(z.double() - z[:, :1].double()) * WIRE_WEIGHT_MAX
+    weights = torch.where(z >= processed.tau[:, None], torch.round(scaled), 0.0).to(torch.int64)
+    dist_ids = torch.zeros(batch, k, dtype=torch.int64, device=device)
+    dist_weights = torch.zeros(batch, k, dtype=torch.int64, device=device)
+    dist_ids[idx], dist_weights[idx] = processed.top_ids[:, :k], weights
+    u = uniform(seeds.to(device)[idx], positions.to(device)[idx], Stream.DRAFT)
+    choice = sample_inverse_cdf(weights, u)  # [S]
     tokens[idx] = dist_ids[idx].gather(1, choice[:, None]).squeeze(1)
     return Proposal(tokens=tokens, dist_ids=dist_ids, dist_weights=dist_weights)
 

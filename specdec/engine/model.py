@@ -71,11 +71,18 @@ class ModelRuntime:
         self._last_batch: BatchKV | None = None  # model thread only
 
     @torch.inference_mode()
-    def forward(self, sessions: list[KVSession], inputs: list[list[int]]) -> list[torch.Tensor]:
-        """Feed `inputs[i]` after session i's computed KV; returns logits [n_i, vocab] each.
+    def forward(
+        self, sessions: list[KVSession], inputs: list[list[int]], keep: int | None = None
+    ) -> list[torch.Tensor] | torch.Tensor:
+        """Feed `inputs[i]` after session i's computed KV.
 
         Each input continues at the session's kv_len: a prefix of session.pending() (a prefill
         chunk), or all of it followed by extra (candidate) tokens that join the history.
+        Returns logits [n_i, vocab] of every input position per session; with `keep`, one
+        tensor [B, keep, vocab] of each session's last `keep` positions (a verify needs γ+1,
+        a draft step 1), and the LM head runs only for those: at a 50k–250k vocabulary the
+        head over a long pending prefix would cost more than the rest of the pass. Logits
+        stay on the model's device, float32.
         """
         for session, tokens in zip(sessions, inputs):
             if not tokens:
@@ -104,15 +111,16 @@ class ModelRuntime:
         else:  # nothing cached yet: right-padded inputs only
             cache = DynamicCache(config=self.model.config)
             attention = (torch.arange(max_new)[None] < torch.tensor(lengths)[:, None]).long()
+        kept = _kept_positions(lengths, max_new, keep)
         out = self.model(
             input_ids=input_ids.to(self.device),
             attention_mask=None if attention is None else attention.to(self.device),
             position_ids=positions.to(self.device),
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=kept.to(self.device) if isinstance(kept, torch.Tensor) else kept,
         )
-        logits = out.logits.float()  # [B, max_new, vocab]
-        results = []
+        logits = out.logits.float()  # [B, max_new or keep, vocab]
         for i, session in enumerate(sessions):
             start = session.kv_len
             if in_place:
@@ -126,10 +134,11 @@ class ModelRuntime:
                     [layer.values[i, :, new] for layer in cache.layers],
                 )
             session.tokens[start : start + lengths[i]] = inputs[i]
-            results.append(logits[i, : lengths[i]].cpu())
         if reused is not None:
             reused.advance(lengths, max_new)
-        return results
+        if keep is None:
+            return [logits[i, : lengths[i]] for i in range(batch)]
+        return logits
 
     def _session_cache(self, session: KVSession) -> Cache:
         """The session's own buffers as the cache of a batch of one."""
@@ -150,3 +159,13 @@ class ModelRuntime:
         self._last_batch = None  # free the old copy before making a new one
         self._last_batch = BatchKV.build(sessions, max_cached, max_new + BATCH_KV_HEADROOM)
         return self._last_batch
+
+
+def _kept_positions(lengths: list[int], max_new: int, keep: int | None) -> int | torch.Tensor:
+    """`logits_to_keep` for right-padded inputs: 0 = every position; else each session's last
+    `keep` input positions, as [B, keep] (a plain count when every input is the longest)."""
+    if keep is None:
+        return 0
+    if all(n == max_new for n in lengths) and keep <= max_new:
+        return keep
+    return torch.tensor([[max(0, n - keep + j) for j in range(keep)] for n in lengths])

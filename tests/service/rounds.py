@@ -129,12 +129,13 @@ def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
 
 @contextlib.contextmanager
 def recorded_forwards(runtime):
-    """Record (session_id, inputs, logits) of every ModelRuntime.forward while active."""
+    """Record (session_id, inputs, logits) of every ModelRuntime.forward while active (the
+    logits it returned: with `keep`, only the last positions)."""
     calls: list[tuple[str, list[int], torch.Tensor]] = []
     original = runtime.forward
 
-    def forward(sessions, inputs):
-        logits = original(sessions, inputs)
+    def forward(sessions, inputs, keep=None):
+        logits = original(sessions, inputs, keep=keep)
         calls.extend(
             (s.session_id, list(x), rows.clone()) for s, x, rows in zip(sessions, inputs, logits)
         )

@@ -1,0 +1,169 @@
+"""The processed distribution of many rows, without materialising it (the hot path).
+
+Every processor keeps a TOP set of the temperature-scaled logits z = logits / T: top-k the
+k largest (ties at the k-th value kept), top-p the smallest top set whose mass reaches
+top_p, min-p the tokens with exp(z − z_max) ≥ min_p. Applied in order (top-p on the
+top-k-renormalised distribution, min-p on what is left) they keep {v : z_v ≥ τ} for one
+threshold τ per row, and
+
+    p(v) = exp(z_v − log Z)   for z_v ≥ τ,   0 otherwise,   log Z = log Σ_{z ≥ τ} exp(z).
+
+So a row is described by (τ, log Z): O(1) numbers instead of a dense [vocab] float64 row.
+Finding τ needs only the row's largest values: `torch.topk` of a small window (`WINDOW`),
+widened (`WIDE`, then the whole row) only for the rows whose nucleus does not fit. log Z
+comes from the window when the kept set fits in it, else from one pass over the row.
+
+Precision: logits and z stay float32 on the model's device, as the model produced them; the
+threshold decisions are made in float32 as `specdec.core.sampling.apply_processors` (the
+dense reference) makes them. log Z, p(v) and everything sampled from are float64: the
+inverse-CDF sampling and the residual max(p − q̃, 0) need float64 so that the probabilities
+of small tokens are not rounded away. Where top-p's cut falls on tokens of exactly equal
+logit, all of them are kept (the dense reference keeps whichever its sort puts first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.core.params import SamplingParams
+
+WINDOW = 64  # top values examined for every sampling row
+WIDE = 2048  # for rows whose top-p nucleus is larger than WINDOW; then the whole row
+
+
+@dataclass(frozen=True)
+class ProcessorParams:
+    """The processors of R rows as tensors (sampling rows only: temperature > 0)."""
+
+    temperature: torch.Tensor  # [R] float32
+    top_k: torch.Tensor  # [R] int64, 0 = off
+    top_p: torch.Tensor  # [R] float64, 1 = off
+    min_p: torch.Tensor  # [R] float64, 0 = off
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device=None) -> ProcessorParams:
+        return cls(
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
+            torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device),
+        )
+
+    def __getitem__(self, rows) -> ProcessorParams:
+        return ProcessorParams(
+            self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows]
+        )
+
+    def repeat_rows(self, n: int) -> ProcessorParams:
+        """Each row n times in a row (one per verified position of a session)."""
+        return ProcessorParams(*(t.repeat_interleave(n) for t in vars(self).values()))
+
+
+@dataclass
+class Processed:
+    """Rows [R, vocab] of processed distributions as (z, τ, log Z) and their top window."""
+
+    logits: torch.Tensor  # [R, vocab] float32, unscaled
+    temperature: torch.Tensor  # [R] float32 (z = logits / temperature, as the reference divides)
+    tau: torch.Tensor  # [R] float32, smallest kept z (−inf: everything kept)
+    log_z: torch.Tensor  # [R] float64
+    top_z: torch.Tensor  # [R, W] float32, the largest z, descending
+    top_ids: torch.Tensor  # [R, W] int64
+
+    def prob(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """p(tokens) for rows (same shapes), float64."""
+        z = self.logits[rows, tokens].float() / self.temperature[rows]
+        p = torch.exp(z.double() - self.log_z[rows])
+        return torch.where(z >= self.tau[rows], p, torch.zeros_like(p))
+
+    def dense(self, rows: torch.Tensor) -> torch.Tensor:
+        """Whole distributions [len(rows), vocab] float64: one row per session, never all."""
+        z = self.logits[rows].float() / self.temperature[rows, None]
+        p = torch.exp(z.double() - self.log_z[rows, None])
+        return torch.where(z >= self.tau[rows, None], p, torch.zeros_like(p))
+
+
+def _lse(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
+    """log Σ exp(z) per row [R, N] (−inf entries count 0), float64. A whole row: exp in
+    float32 (bandwidth), the sum in float64 — p then sums to 1 within ~1e-7, where a float32
+    sum would be off by ~1e-6; a window: all in float64."""
+    if z.shape[-1] <= WIDE:
+        shifted = torch.exp(z.double() - z_max.double()[:, None])
+    else:
+        shifted = torch.exp(z - z_max[:, None])
+    return torch.log(shifted.sum(dim=-1, dtype=torch.float64)) + z_max.double()
+
+
+def _masked_lse(z: torch.Tensor, tau: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
+    """log Σ_{z ≥ τ} exp(z) per row of z [R, N] (float64); z_max: each row's largest z."""
+    kept = torch.where(z >= tau[:, None], z, torch.full_like(z, float("-inf")))
+    return _lse(kept, z_max)
+
+
+def _full_lse(logits, temperature, tau, z_max) -> torch.Tensor:
+    """log Σ_{z ≥ τ} exp(z) over whole rows (one pass; τ = −inf rows take every token)."""
+    z = logits.float() / temperature[:, None]
+    if bool(torch.isinf(tau).all()):
+        return _lse(z, z_max)
+    return _masked_lse(z, tau, z_max)
+
+
+def _thresholds(
+    logits: torch.Tensor, pp: ProcessorParams, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(τ, log Z, top z, top ids, fits) for rows of logits, looking at `width` top values.
+
+    `fits` is False for a row whose top-p nucleus may extend past the window: its τ and
+    log Z are not final (the caller widens the window for those rows).
+    """
+    rows, vocab = logits.shape
+    width = min(vocab, max(width, int(pp.top_k.max()) + 1 if rows else 1))
+    values, ids = torch.topk(logits, width, dim=-1)  # [R, W], descending: order is z's
+    temperature = pp.temperature.to(logits.device)
+    z = values.float() / temperature[:, None]
+    ninf = torch.full((rows,), float("-inf"), device=logits.device)
+
+    k_on = (pp.top_k > 0) & (pp.top_k < vocab)
+    kth = z.gather(1, (pp.top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
+    tau_k = torch.where(k_on, kth, ninf)
+    p_on = pp.top_p < 1.0
+    # top-p renormalises over the top-k set: its log-mass, from the window when it fits
+    log_z = _masked_lse(z, tau_k, z[:, 0])
+    past = p_on & (z[:, -1] >= tau_k) & (width < vocab)  # top-k set runs past the window
+    if bool(past.any()):
+        r = past.nonzero().squeeze(1)
+        log_z[r] = _full_lse(logits[r], temperature[r], tau_k[r], z[r, 0])
+    mass = torch.exp(z.double() - log_z[:, None])  # top-k-renormalised p of the window
+    before = mass.cumsum(dim=-1) - mass  # mass strictly above each rank
+    keep = (before < pp.top_p[:, None]) & (z >= tau_k[:, None])
+    n_p = keep.sum(dim=-1).clamp(min=1)
+    tau_p = torch.where(p_on, z.gather(1, (n_p - 1)[:, None]).squeeze(1), ninf)
+    fits = ~(p_on & (n_p == width) & (width < vocab))
+
+    m_on = pp.min_p > 0.0
+    tau_m = torch.where(
+        m_on, (z[:, 0].double() + torch.log(pp.min_p.clamp(min=1e-300))).float(), ninf
+    )
+    tau = torch.maximum(torch.maximum(tau_k, tau_p), tau_m)
+    log_z = _masked_lse(z, tau, z[:, 0])
+    past = (z[:, -1] >= tau) & fits & (width < vocab)  # kept tokens past the window
+    if bool(past.any()):
+        r = past.nonzero().squeeze(1)
+        log_z[r] = _full_lse(logits[r], temperature[r], tau[r], z[r, 0])
+    return tau, log_z, z, ids, fits
+
+
+def process(logits: torch.Tensor, pp: ProcessorParams, window: int = WINDOW) -> Processed:
+    """The processed distributions of sampling rows [R, vocab] (see the module docstring)."""
+    logits = logits if logits.dtype == torch.float32 else logits.float()
+    tau, log_z, top_z, top_ids, fits = _thresholds(logits, pp, window)
+    for width in (WIDE, logits.shape[-1]):
+        if bool(fits.all()):
+            break
+        r = (~fits).nonzero().squeeze(1)
+        t2, l2, _z, _ids, f2 = _thresholds(logits[r], pp[r], width)
+        tau[r], log_z[r] = t2, l2
+        fits[r] = f2
+    return Processed(logits, pp.temperature.to(logits.device), tau, log_z, top_z, top_ids)

@@ -1,0 +1,120 @@
+"""The hot-path processed distribution equals the dense reference processors, row by row, for
+every combination of processors, in the cases that take the window, the wider window and the
+whole row; greedy and sampling verification from logits equal the dense verifier exactly."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specdec.core import processed as processed_mod
+from specdec.core.params import SamplingParams
+from specdec.core.processed import ProcessorParams, process
+from specdec.core.proposal import dense_q, propose_step
+from specdec.core.rng import seed_tensor
+from specdec.core.sampling import probs_from_logits
+from specdec.core.verify import DraftBlock, verify_block, verify_logits
+
+COMBOS = [
+    SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+    for t, k, p, m in itertools.product(
+        (0.7, 1.0, 1.6), (0, 5, 300), (1.0, 0.5, 0.95, 0.999), (0.0, 0.05)
+    )
+]
+
+
+def logits_of(kind: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "peaked":  # an LLM-like row: a few strong tokens over a long flat tail
+        x = torch.randn(rows, vocab, generator=gen) * 2.0
+        top = torch.randint(0, vocab, (rows, 8), generator=gen)
+        return x.scatter_add(1, top, 6.0 + 4.0 * torch.rand(rows, 8, generator=gen))
+    return torch.randn(rows, vocab, generator=gen) * 0.3  # flat: nuclei far past the window
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat"])
+def test_processed_rows_equal_the_dense_reference(kind):
+    vocab = 5000
+    logits = logits_of(kind, len(COMBOS), vocab, seed=1)
+    got = process(logits, ProcessorParams.of(COMBOS))
+    dense = got.dense(torch.arange(len(COMBOS)))
+    for row, params in enumerate(COMBOS):
+        expected = probs_from_logits(logits[row : row + 1], params)[0]
+        assert torch.equal(dense[row] > 0, expected > 0), (row, params)  # the same kept set
+        assert torch.allclose(dense[row], expected, rtol=1e-6, atol=1e-12), (row, params)
+        assert float(dense[row].sum()) == pytest.approx(
+            1.0, abs=1e-7
+        )  # exp in float32 over whole rows
+        tokens = torch.randint(0, vocab, (50,))
+        probs = got.prob(torch.full((50,), row), tokens)
+        assert torch.allclose(probs, expected[tokens], rtol=1e-6, atol=1e-12)
+
+
+def test_the_wide_window_and_the_whole_row_are_taken(monkeypatch):
+    """Flat rows with top-p 0.999 cannot be cut inside 64 or 2048 values: they must widen."""
+    calls = []
+    real = processed_mod._thresholds
+    monkeypatch.setattr(
+        processed_mod,
+        "_thresholds",
+        lambda logits, pp, width: calls.append((len(logits), width)) or real(logits, pp, width),
+    )
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.999),
+        SamplingParams(temperature=1.0, top_k=3),
+    ]
+    logits = logits_of("flat", 2, 5000, seed=2)
+    got = process(logits, ProcessorParams.of(params))
+    assert calls == [(2, 64), (1, 2048), (1, 5000)]  # only the flat top-p row widens
+    for row, p in enumerate(params):
+        assert torch.allclose(
+            got.dense(torch.tensor([row]))[0],
+            probs_from_logits(logits[row : row + 1], p)[0],
+            rtol=1e-6,
+            atol=1e-12,
+        )
+
+
+def test_verify_from_logits_equals_the_dense_verifier():
+    """Same seeds, same candidates: the hot path and the dense reference agree token for token,
+    greedy and sampling rows mixed in one batch, sparse q̃ with K < vocab, token-only rows."""
+    batch, gamma, vocab, k = 24, 4, 3000, 8
+    gen = torch.Generator().manual_seed(5)
+    target = logits_of("peaked", batch * (gamma + 1), vocab, seed=3).reshape(
+        batch, gamma + 1, vocab
+    )
+    draft = target + 0.7 * torch.randn(target.shape, generator=gen)
+    params = [COMBOS[i % len(COMBOS)] if i % 4 else SamplingParams() for i in range(batch)]
+    token_only = [p.greedy or i % 5 == 1 for i, p in enumerate(params)]
+    seeds, base = (
+        seed_tensor(range(100, 100 + batch)),
+        torch.randint(0, 50, (batch,), generator=gen),
+    )
+    num = torch.randint(0, gamma + 1, (batch,), generator=gen)
+    candidates = torch.zeros(batch, gamma, dtype=torch.int64)
+    ids = torch.zeros(batch, gamma, k, dtype=torch.int64)
+    weights = torch.zeros(batch, gamma, k, dtype=torch.float64)
+    q = torch.zeros(batch, gamma, vocab, dtype=torch.float64)
+    for i in range(gamma):
+        step = propose_step(draft[:, i], params, seeds, base + i, k, token_only)
+        candidates[:, i] = step.tokens
+        for b in range(batch):
+            if token_only[b]:
+                ids[b, i, 0], weights[b, i, 0] = step.tokens[b], 1.0
+            else:
+                ids[b, i], weights[b, i] = step.dist_ids[b], step.dist_weights[b].double()
+            q[b, i] = dense_q(ids[b, i], weights[b, i], vocab)
+    p = torch.stack(
+        [probs_from_logits(target[b], params[b]) for b in range(batch)]
+    )  # [B, γ+1, vocab] dense reference
+    expected = verify_block(p, q, candidates, num, seeds, base)
+    greedy = torch.tensor([x.greedy for x in params])
+    sampling = ProcessorParams.of([x for x in params if not x.greedy])
+    got = verify_logits(
+        target, greedy, sampling, DraftBlock(candidates, num, ids, weights), seeds, base
+    )
+    assert got.num_accepted.tolist() == expected.num_accepted.tolist()
+    assert got.output_tokens.tolist() == expected.output_tokens.tolist()
+    assert 0 < int((got.num_accepted < num).sum()) < batch  # both paths were exercised
