@@ -75,8 +75,10 @@ end
 return 0
 """
 
-# KEYS: hash, lease. ARGV: owner, lease ms, now. The new epoch, or -1 while the lease is held.
+# KEYS: hash, lease. ARGV: owner, lease ms, now. The new epoch; -1 while the lease is held or
+# when there is no running session to take (finished, expired or never created).
 TAKE = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return -1 end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
   redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'updated', ARGV[3])
@@ -197,7 +199,8 @@ class SessionStore:
         )
 
     async def take_over(self, session_id: str, owner: str) -> int | None:
-        """Acquire an expired (or released) lease; returns the new epoch, None if still held."""
+        """Acquire an expired (or released) lease; returns the new epoch, None while it is still
+        held or when no running session has this id (then there is nothing to take over)."""
         k = Keys.of(session_id)
         epoch = await self._take(keys=[k.hash, k.lease], args=[owner, self.lease_ms, time.time()])
         return None if epoch == -1 else int(epoch)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from specdec.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class Batcher:
         self.in_flight = 0
         self._task: asyncio.Task | None = None
         self._carry: _Pending | None = None
+        self._running: list[_Pending] = []  # the batch in the model thread now
         self._recent: dict[object, float] = {}  # session → last submit (monotonic seconds)
         self.batches_run = 0
 
@@ -72,9 +76,18 @@ class Batcher:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        """Stop the loop; calls still queued or running fail with UNAVAILABLE (retry elsewhere)."""
         if self._task:
             self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
         self.executor.shutdown(wait=False, cancel_futures=True)
+        pending = [self._carry] if self._carry else []
+        while not self.queue.empty():
+            pending.append(self.queue.get_nowait())
+        for p in pending + self._running:
+            if not p.future.done():
+                p.future.set_exception(Unavailable("the worker is stopping"))
 
     def _active_sessions(self) -> int:
         """Sessions that submitted within the last second: how big a batch is worth waiting for."""
@@ -129,6 +142,7 @@ class Batcher:
             batch = [p for p in await self._collect() if not p.future.done()]
             if not batch:
                 continue
+            self._running = batch
             start = time.perf_counter_ns()
             try:
                 results = await loop.run_in_executor(
@@ -136,6 +150,11 @@ class Batcher:
                 )
             except Exception as exc:  # noqa: BLE001 - fail this batch's calls, keep serving
                 results = [exc] * len(batch)
+            self._running = []
+            if len(results) != len(batch):  # a bug in process: fail them all, never hang one
+                results = [RuntimeError(f"{len(results)} results for {len(batch)} items")] * len(
+                    batch
+                )
             forward_ns = time.perf_counter_ns() - start
             last = forward_ns / 1e9
             self.forward_s = 0.8 * self.forward_s + 0.2 * last if self.forward_s else last

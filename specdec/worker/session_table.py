@@ -104,9 +104,16 @@ class SessionTable:
         for session_id in self.sessions:
             if session_id not in self.busy:
                 del self.sessions[session_id]
+                self._drop_lock(session_id)
                 self.evictions += 1
                 return True
         return False
+
+    def _drop_lock(self, session_id: str) -> None:
+        """Forget a gone session's lock unless someone holds or awaits it."""
+        lock = self.locks.get(session_id)
+        if lock is not None and not lock.locked():
+            del self.locks[session_id]
 
     def enforce_memory(self) -> None:
         """Evict idle sessions (LRU) until the KV buffers fit the memory budget.
@@ -120,4 +127,5 @@ class SessionTable:
         session = self.sessions.pop(session_id, None)
         if session is None:
             raise NotFound(f"session_id {session_id!r} is not held by this worker")
+        self._drop_lock(session_id)
         return session.kv_len

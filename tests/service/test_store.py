@@ -314,3 +314,16 @@ def test_two_sessions_share_no_keys(url, db, sid):
     assert call(url, "commit", sid, "c1", 6, 0, [], [], {}) == (6, "CANCELLED")
     assert snapshot(db, other) == before
     assert call(url, "commit", other, "c1", 4, 0, [8], ["c"], {}) == (5, "")
+
+
+def test_take_over_refuses_finished_and_missing_sessions(url, db, sid):
+    """Nothing to take: a finished session (its lease is gone) or an id with no session gets
+    None, and no lease, stub hash or epoch bump is written."""
+    started(url, sid)
+    assert call(url, "commit", sid, "c1", 4, 0, [5], ["x"], {}, "EOS", "") == (5, "EOS")
+    before = snapshot(db, sid)
+    assert call(url, "take_over", sid, "c2") is None
+    assert snapshot(db, sid) == before
+    missing = f"test-{uuid.uuid4().hex}"
+    assert call(url, "take_over", missing, "c2") is None
+    assert db.exists(*vars(Keys.of(missing)).values()) == 0  # not even a stub hash

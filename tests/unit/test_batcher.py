@@ -216,3 +216,39 @@ def test_every_item_gets_its_own_result(max_batch_size):
     assert [r.result for r in runs] == [0, 10, 20, 30, 40, 50]
     assert [v for batch in process.batches for v in batch] == list(range(6))
     assert max(len(batch) for batch in process.batches) == max_batch_size
+
+
+def test_too_few_results_fail_every_item_instead_of_hanging():
+    """A process that returns fewer results than items (a bug) fails the whole batch."""
+
+    async def scenario(b):
+        return await asyncio.gather(
+            b.submit(item("a", 1), 1), b.submit(item("b", 2), 1), return_exceptions=True
+        )
+
+    results = run(scenario, lambda items: [0])
+    assert all(isinstance(r, RuntimeError) and "1 results for 2 items" in str(r) for r in results)
+
+
+def test_stop_fails_queued_and_running_items():
+    """Stopping the batcher fails what is queued or running with Unavailable, never a hang."""
+    from specdec.errors import Unavailable
+
+    started = asyncio.Event()
+
+    def slow(items):
+        time.sleep(0.3)
+        return [x.value for x in items]
+
+    async def main():
+        b = Batcher(slow, max_batch_size=1, max_batch_tokens=1000, max_wait_ms=0.0)
+        b.start()
+        calls = [asyncio.ensure_future(b.submit(item(s, i), 1)) for i, s in enumerate("abc")]
+        await asyncio.sleep(0.05)  # the first is in the model thread, the others queued
+        started.set()
+        await b.stop()
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), HANG_S)
+
+    results = asyncio.run(main())
+    assert started.is_set()
+    assert all(isinstance(r, Unavailable) for r in results), results

@@ -210,3 +210,19 @@ def test_hold_serialises_one_session_and_not_others():
     asyncio.run(scenario())
     assert log == ["first in", "other in", "first out", "second in"]
     assert table.busy == set() and table.locks == {}  # no session was admitted: locks dropped
+
+
+def test_locks_of_evicted_and_released_sessions_are_dropped():
+    """A session held once and later evicted or released leaves no lock behind."""
+    table = make_table(max_sessions=1)
+
+    async def scenario():
+        async with table.hold("a"):
+            full(table, "a", [1, 2])
+        async with table.hold("b"):  # admitting b evicts a (idle)
+            full(table, "b", [3, 4])
+        assert list(table.sessions) == ["b"] and list(table.locks) == ["b"]
+        table.release("b")
+        assert table.locks == {}
+
+    asyncio.run(scenario())
