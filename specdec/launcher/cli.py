@@ -33,6 +33,7 @@ SERVICES = {
     "coordinator": "coordinator.__main__",
     "bench": "bench.run",
     "bench workers": "bench.workers",
+    "bench math": "bench.math",
 }
 
 
@@ -250,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         return up(rest)
     if command == "generate":
         return generate(rest)
-    if command == "bench" and rest and rest[0] == "workers":
-        command, rest = "bench workers", rest[1:]
+    if command == "bench" and rest and rest[0] in ("workers", "math"):
+        command, rest = f"bench {rest[0]}", rest[1:]
     if command not in SERVICES:
         print(f"specdec: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

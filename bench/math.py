@@ -1,0 +1,219 @@
+"""Micro-benchmark of the per-pass math: one draft sampling step and one verify pass.
+
+    python -m bench.math [--threads 1] [--out results/math] [--quick]   (also: specdec bench math)
+
+For each vocabulary (8k, 49k SmolLM2, 128k Llama 3, 262k Gemma 3) × batch (1, 16, 64) ×
+mode (greedy; sampling at temperature 0.8, top-p 0.95), γ = 4, K = 32 wire entries:
+  - hot path (what the workers run): `propose_step` for one draft step; `verify_logits` for
+    one verify pass, from the target's float32 logits [B, γ+1, vocab] and the sparse q̃;
+  - dense reference (the math before): `batched_probs` + `dense_q` + `verify_block`, and a
+    draft step through `apply_processors` + float64 softmax + `quantise`, measured in the same
+    run where it fits in time (batch ≤ 16).
+Logits are LLM-like: a Gaussian tail (σ = 2) with a few strong tokens per row, so top-p's
+nucleus is what a real model gives, not a flat worst case; the mean nucleus size is reported.
+`--model DIR` also times the same verify math against the model's own batched forward pass
+(16 sessions × γ+1 positions) on real logits: the share of the pass the math takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.core.params import SamplingParams
+from specdec.core.processed import ProcessorParams, process
+from specdec.core.proposal import dense_q, propose_step, quantise
+from specdec.core.rng import Stream, seed_tensor, uniform
+from specdec.core.sampling import apply_processors, batched_probs, sample_inverse_cdf
+from specdec.core.verify import DraftBlock, verify_block, verify_logits
+
+GAMMA, K = 4, 32
+MODES = {"greedy": SamplingParams(), "sampling": SamplingParams(temperature=0.8, top_p=0.95)}
+
+
+def llm_like(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * 2.0
+    top = torch.randint(0, vocab, (rows, 8), generator=gen)
+    return x.scatter_add(1, top, 7.0 + 5.0 * torch.rand(rows, 8, generator=gen))
+
+
+def timed(fn, repeat: int) -> float:
+    """Median wall time of fn() in ms after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def dense_draft_step(logits, params, seeds, positions):
+    """The draft step as it was: processors, float64 softmax and quantised top-K per row."""
+    probs = apply_processors(logits, params[0]).double().softmax(dim=-1)
+    ids, weights = quantise(probs, K)
+    choice = sample_inverse_cdf(weights, uniform(seeds, positions, Stream.DRAFT))
+    return ids.gather(1, choice[:, None])
+
+
+def case(vocab: int, batch: int, mode: str, dense: bool, repeat: int) -> dict:
+    params = [MODES[mode]] * batch
+    greedy = params[0].greedy
+    seeds, base = seed_tensor(range(batch)), torch.arange(batch) * 7
+    draft_logits = llm_like(batch, vocab, seed=1)
+    target = llm_like(batch * (GAMMA + 1), vocab, seed=2).reshape(batch, GAMMA + 1, vocab)
+    step = propose_step(draft_logits, params, seeds, base, K, [greedy] * batch)
+    candidates = step.tokens[:, None].repeat(1, GAMMA)
+    if greedy:
+        q_ids, q_w = candidates[..., None], torch.ones(batch, GAMMA, 1, dtype=torch.float64)
+    else:
+        q_ids = step.dist_ids[:, None].repeat(1, GAMMA, 1)
+        q_w = step.dist_weights[:, None].repeat(1, GAMMA, 1).double()
+    block = DraftBlock(candidates, torch.full((batch,), GAMMA), q_ids, q_w)
+    mask = torch.full((batch,), greedy)
+    sampling = ProcessorParams.of([] if greedy else params)
+    row = {"vocab": vocab, "batch": batch, "mode": mode}
+    row["verify_ms"] = timed(
+        lambda: verify_logits(target, mask, sampling, block, seeds, base), repeat
+    )
+    row["draft_step_ms"] = timed(
+        lambda: propose_step(draft_logits, params, seeds, base, K, [greedy] * batch), repeat
+    )
+    if not greedy:
+        kept = process(target.reshape(-1, vocab), sampling.repeat_rows(GAMMA + 1)).tau
+        z = target.reshape(-1, vocab) / params[0].temperature
+        row["nucleus_mean"] = float((z >= kept[:, None]).sum(-1).double().mean())
+    if dense:
+
+        def dense_verify():
+            p = batched_probs(target, params)
+            q = dense_q(q_ids, q_w, vocab)
+            return verify_block(p, q, candidates, torch.full((batch,), GAMMA), seeds, base)
+
+        row["dense_verify_ms"] = timed(dense_verify, max(1, repeat // 3))
+        if not greedy:
+            row["dense_draft_step_ms"] = timed(
+                lambda: dense_draft_step(draft_logits, params, seeds, base), max(1, repeat // 3)
+            )
+    return row
+
+
+def model_share(model_dir: str, batch: int = 16, prompt_len: int = 96) -> list[dict]:
+    """The verify math against the same pass's target forward, on the model's real logits."""
+    from specdec.engine.kv import KVSession
+    from specdec.engine.model import ModelRuntime, RuntimeSettings
+
+    runtime = ModelRuntime(RuntimeSettings(model_dir, threads=torch.get_num_threads()))
+    gen = torch.Generator().manual_seed(3)
+    sessions = []
+    for i in range(batch):
+        session = KVSession(str(i))
+        session.sync(torch.randint(1, runtime.vocab_size, (prompt_len,), generator=gen).tolist())
+        runtime.forward([session], [session.pending()[:-1]], keep=1)
+        sessions.append(session)
+    blocks = [s.pending() + [int(t) for t in torch.randint(1, 99, (GAMMA,))] for s in sessions]
+    lengths = [s.kv_len for s in sessions]
+
+    def forward():
+        for s, n in zip(sessions, lengths):
+            s.kv_len, s.tokens = n, s.tokens[: n + 1]
+        return runtime.forward(sessions, blocks, keep=GAMMA + 1)
+
+    logits = forward()
+    rows = []
+    for mode, params in MODES.items():
+        greedy = params.greedy
+        seeds, base = seed_tensor(range(batch)), torch.tensor(lengths) + 1
+        step = propose_step(logits[:, 0], [params] * batch, seeds, base, K, [greedy] * batch)
+        candidates = torch.tensor([b[1:] for b in blocks])
+        if greedy:
+            q_ids, q_w = candidates[..., None], torch.ones(batch, GAMMA, 1, dtype=torch.float64)
+        else:
+            q_ids = step.dist_ids[:, None].repeat(1, GAMMA, 1)
+            q_w = step.dist_weights[:, None].repeat(1, GAMMA, 1).double()
+            q_ids[:, :, 0], q_w[:, :, 0] = candidates, 1.0  # each candidate inside its q̃
+        block = DraftBlock(candidates, torch.full((batch,), GAMMA), q_ids, q_w)
+        sampling = ProcessorParams.of([] if greedy else [params] * batch)
+        mask = torch.full((batch,), greedy)
+        args = (logits, mask, sampling, block, seeds, base)
+        math_ms = timed(lambda args=args: verify_logits(*args), 5)
+        forward_ms = timed(forward, 3)
+        rows.append(
+            {
+                "model": Path(model_dir).name,
+                "vocab": runtime.vocab_size,
+                "mode": mode,
+                "batch": batch,
+                "forward_ms": forward_ms,
+                "verify_math_ms": math_ms,
+                "share": math_ms / forward_ms,
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict], shares: list[dict], threads: int) -> str:
+    fmt = lambda x: "—" if x is None else f"{x:.1f}"  # noqa: E731
+    out = [
+        f"Per-pass math, {threads} CPU thread(s), γ = {GAMMA}, K = {K}; median ms.",
+        "",
+        "| vocab | batch | mode | verify pass | draft step | dense verify (before) "
+        "| dense draft step (before) | mean nucleus |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['vocab']:,} | {r['batch']} | {r['mode']} | {fmt(r['verify_ms'])} "
+            f"| {fmt(r['draft_step_ms'])} | {fmt(r.get('dense_verify_ms'))} "
+            f"| {fmt(r.get('dense_draft_step_ms'))} | {fmt(r.get('nucleus_mean'))} |"
+        )
+    if shares:
+        out += [
+            "",
+            "| model | vocab | mode | batch | target forward | verify math | math / forward |",
+            "|---|---:|---|---:|---:|---:|---:|",
+        ]
+        for r in shares:
+            out.append(
+                f"| {r['model']} | {r['vocab']:,} | {r['mode']} | {r['batch']} "
+                f"| {r['forward_ms']:.1f} | {r['verify_math_ms']:.1f} | {100 * r['share']:.1f} % |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specdec bench math", description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="results/math")
+    p.add_argument("--quick", action="store_true", help="vocab 8k and 128k, batch 1 and 16")
+    p.add_argument("--model", action="append", default=[], help="also time against this model")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    vocabs = (8192, 128256) if args.quick else (8192, 49152, 128256, 262144)
+    batches = (1, 16) if args.quick else (1, 16, 64)
+    rows = []
+    with torch.inference_mode():
+        for vocab in vocabs:
+            for batch in batches:
+                for mode in MODES:
+                    dense = batch <= 16 and vocab <= 131072
+                    rows.append(case(vocab, batch, mode, dense, repeat=5 if batch < 64 else 3))
+                    print(json.dumps(rows[-1]), flush=True)
+        shares = [r for model in args.model for r in model_share(model)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "math.json").write_text(json.dumps({"rows": rows, "shares": shares}, indent=2))
+    text = markdown(rows, shares, args.threads)
+    (out / "math.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
