@@ -10,8 +10,9 @@ threshold τ per row, and
 
 So a row is described by (τ, log Z): O(1) numbers instead of a dense [vocab] float64 row.
 Finding τ needs only the row's largest values: `torch.topk` of a small window (`WINDOW`),
-widened (`WIDE`, then the whole row) only for the rows whose nucleus does not fit. log Z
-comes from the window when the kept set fits in it, else from one pass over the row.
+widened only for the rows whose nucleus does not fit, to a width that a one-pass histogram
+of the row's mass shows to be enough. log Z comes from the window when the kept set fits in
+it, else from one pass over the row.
 
 Precision: logits and z stay float32 on the model's device, as the model produced them; the
 threshold decisions are made in float32 as `specdec.core.sampling.apply_processors` (the
@@ -29,8 +30,8 @@ import torch
 
 from specdec.core.params import SamplingParams
 
-WINDOW = 64  # top values examined for every sampling row
-WIDE = 2048  # for rows whose top-p nucleus is larger than WINDOW; then the whole row
+WINDOW = 64  # top values examined for every sampling row (more only where a nucleus needs it)
+WIDE = 2048  # up to this many values, a window's log Z is computed all in float64
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ def _thresholds(
     """(τ, log Z, top z, top ids, fits) for rows of logits, looking at `width` top values.
 
     `fits` is False for a row whose top-p nucleus may extend past the window: its τ and
-    log Z are not final (the caller widens the window for those rows).
+    log Z are not final (the caller finishes those rows). `log_k`: the log-mass top-p is
+    relative to (the top-k set's; the whole row's when top-k is off).
     """
     rows, vocab = logits.shape
     width = min(vocab, max(width, int(pp.top_k.max()) + 1 if rows else 1))
@@ -130,12 +132,12 @@ def _thresholds(
     tau_k = torch.where(k_on, kth, ninf)
     p_on = pp.top_p < 1.0
     # top-p renormalises over the top-k set: its log-mass, from the window when it fits
-    log_z = _masked_lse(z, tau_k, z[:, 0])
+    log_k = _masked_lse(z, tau_k, z[:, 0])
     past = p_on & (z[:, -1] >= tau_k) & (width < vocab)  # top-k set runs past the window
     if bool(past.any()):
         r = past.nonzero().squeeze(1)
-        log_z[r] = _full_lse(logits[r], temperature[r], tau_k[r], z[r, 0])
-    mass = torch.exp(z.double() - log_z[:, None])  # top-k-renormalised p of the window
+        log_k[r] = _full_lse(logits[r], temperature[r], tau_k[r], z[r, 0])
+    mass = torch.exp(z.double() - log_k[:, None])  # top-k-renormalised p of the window
     before = mass.cumsum(dim=-1) - mass  # mass strictly above each rank
     keep = (before < pp.top_p[:, None]) & (z >= tau_k[:, None])
     n_p = keep.sum(dim=-1).clamp(min=1)
@@ -152,18 +154,57 @@ def _thresholds(
     if bool(past.any()):
         r = past.nonzero().squeeze(1)
         log_z[r] = _full_lse(logits[r], temperature[r], tau[r], z[r, 0])
-    return tau, log_z, z, ids, fits
+    return tau, log_z, z, ids, fits, log_k
+
+
+BINS_PER_NAT = 16  # histogram resolution of `_nucleus_cut`
+BINS = 1024  # 64 nats below the row's maximum; everything further down is one bin
+
+
+def _nucleus_cut(z: torch.Tensor, top_p: float, log_norm: torch.Tensor) -> torch.Tensor:
+    """τ of top-p for one row z [vocab] whose nucleus is large, without sorting the row.
+
+    A histogram of the row's mass over bins of z locates the bin where the cumulative mass
+    reaches top_p; every token above that bin is kept, every token below it dropped, and
+    only the tokens of that one bin are sorted to find the exact cut. Masses are float64."""
+    z_max = z.max()
+    depth = ((z_max - z) * BINS_PER_NAT).long().clamp_(0, BINS - 1)
+    p = torch.exp(z.double() - log_norm)
+    mass = torch.zeros(BINS, dtype=torch.float64, device=z.device).scatter_add_(0, depth, p)
+    cum = mass.cumsum(dim=0)
+    b = int((cum < top_p).sum().clamp(max=BINS - 1))  # the bin where the nucleus ends
+    above = cum[b - 1] if b > 0 else torch.zeros((), dtype=torch.float64, device=z.device)
+    inside = z[depth == b].sort(descending=True).values
+    p_in = torch.exp(inside.double() - log_norm)
+    before = above + p_in.cumsum(dim=0) - p_in  # mass strictly above each token of the bin
+    n = int((before < top_p).sum().clamp(min=1))
+    return inside[n - 1]
+
+
+def _wide_row(logits: torch.Tensor, pp: ProcessorParams, log_all: torch.Tensor):
+    """(τ, log Z) of one row [vocab] (top-k off) whose top-p nucleus is past the window;
+    log_all: the row's log-mass (from `_thresholds`)."""
+    z = logits.float() / pp.temperature
+    z_max = z.max()
+    tau = _nucleus_cut(z, float(pp.top_p), log_all)
+    if float(pp.min_p) > 0:
+        tau = torch.maximum(tau, (z_max.double() + torch.log(pp.min_p)).float())
+    return tau, _masked_lse(z[None], tau[None], z_max[None])[0]
 
 
 def process(logits: torch.Tensor, pp: ProcessorParams, window: int = WINDOW) -> Processed:
-    """The processed distributions of sampling rows [R, vocab] (see the module docstring)."""
+    """The processed distributions of sampling rows [R, vocab] (see the module docstring).
+
+    Rows whose top-p nucleus does not fit the window are finished one by one from a
+    histogram of their mass (`_nucleus_cut`): a few passes over the row and a sort of one
+    bin, never of the whole vocabulary (rows with top-k as well, rare, take the whole row)."""
     logits = logits if logits.dtype == torch.float32 else logits.float()
-    tau, log_z, top_z, top_ids, fits = _thresholds(logits, pp, window)
-    for width in (WIDE, logits.shape[-1]):
-        if bool(fits.all()):
-            break
-        r = (~fits).nonzero().squeeze(1)
-        t2, l2, _z, _ids, f2 = _thresholds(logits[r], pp[r], width)
-        tau[r], log_z[r] = t2, l2
-        fits[r] = f2
+    tau, log_z, top_z, top_ids, fits, log_k = _thresholds(logits, pp, window)
+    for i in (~fits).nonzero().squeeze(1).tolist():
+        row = pp[i : i + 1]
+        if 0 < int(row.top_k) < logits.shape[-1]:
+            t, lz, *_ = _thresholds(logits[i : i + 1], row, logits.shape[-1])
+            tau[i], log_z[i] = t[0], lz[0]
+        else:
+            tau[i], log_z[i] = _wide_row(logits[i], pp[i], log_k[i])
     return Processed(logits, pp.temperature.to(logits.device), tau, log_z, top_z, top_ids)

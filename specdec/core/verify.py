@@ -168,13 +168,14 @@ def verify_logits(
     steps = torch.arange(gamma, device=device)
     g = greedy.nonzero().squeeze(1)
     if len(g):  # accepted while the candidate is the argmax; the next token is the argmax
-        best = logits[g].argmax(dim=-1)  # [G, γ+1]
+        best = (logits if len(g) == batch else logits[g]).argmax(dim=-1)  # [G, γ+1]
         same = (candidates[g] == best[:, :gamma]) & (steps[None, :] < num[g, None])
         num_accepted[g] = same.long().cumprod(dim=1).sum(dim=1)
         next_tokens[g] = best.gather(1, num_accepted[g, None]).squeeze(1)
     s = (~greedy).nonzero().squeeze(1)
     if len(s):
-        processed = process(logits[s].reshape(-1, vocab), params.repeat_rows(slots))
+        rows = logits if len(s) == batch else logits[s]  # no copy when all rows sample
+        processed = process(rows.reshape(-1, vocab), params.repeat_rows(slots))
         row0 = torch.arange(len(s), device=device) * slots  # first row of each session
         safe = torch.where(steps[None, :] < num[s, None], candidates[s], 0)
         p_y = processed.prob((row0[:, None] + steps[None, :]).reshape(-1), safe.reshape(-1))

@@ -52,29 +52,34 @@ def test_processed_rows_equal_the_dense_reference(kind):
         assert torch.allclose(probs, expected[tokens], rtol=1e-6, atol=1e-12)
 
 
-def test_the_wide_window_and_the_whole_row_are_taken(monkeypatch):
-    """Flat rows with top-p 0.999 cannot be cut inside 64 or 2048 values: they must widen."""
-    calls = []
-    real = processed_mod._thresholds
+def test_a_large_nucleus_is_cut_from_its_histogram_not_a_sort(monkeypatch):
+    """A flat row with top-p 0.3 (a nucleus of ~1,000 of 5,000 tokens) cannot be cut inside
+    the 64-value window: it is finished from its histogram, the other rows are not, and the
+    result is still exactly the dense reference's."""
+    windows, cuts = [], []
+    real_thresholds, real_cut = processed_mod._thresholds, processed_mod._nucleus_cut
     monkeypatch.setattr(
         processed_mod,
         "_thresholds",
-        lambda logits, pp, width: calls.append((len(logits), width)) or real(logits, pp, width),
+        lambda logits, pp, width: (
+            windows.append((len(logits), width)) or real_thresholds(logits, pp, width)
+        ),
     )
+    monkeypatch.setattr(processed_mod, "_nucleus_cut", lambda *a: cuts.append(1) or real_cut(*a))
     params = [
-        SamplingParams(temperature=1.0, top_p=0.999),
+        SamplingParams(temperature=1.0, top_p=0.3),
         SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=0.5, top_p=0.6, min_p=0.02),
     ]
-    logits = logits_of("flat", 2, 5000, seed=2)
+    logits = logits_of("flat", 3, 5000, seed=2)
     got = process(logits, ProcessorParams.of(params))
-    assert calls == [(2, 64), (1, 2048), (1, 5000)]  # only the flat top-p row widens
+    assert windows == [(3, 64)] and len(cuts) == 2  # no wider window, no sort of a row
     for row, p in enumerate(params):
-        assert torch.allclose(
-            got.dense(torch.tensor([row]))[0],
-            probs_from_logits(logits[row : row + 1], p)[0],
-            rtol=1e-6,
-            atol=1e-12,
-        )
+        dense = got.dense(torch.tensor([row]))[0]
+        expected = probs_from_logits(logits[row : row + 1], p)[0]
+        assert torch.equal(dense > 0, expected > 0)
+        assert torch.allclose(dense, expected, rtol=1e-6, atol=1e-12)
+    assert int((got.dense(torch.tensor([0]))[0] > 0).sum()) > 500
 
 
 def test_verify_from_logits_equals_the_dense_verifier():
