@@ -95,16 +95,14 @@ async def worker(servers: ServerLoop, role: str, settings):
     if role == "target":
         from target_worker.__main__ import build
 
-        add, name, stub_cls = (
-            target_pb2_grpc.add_TargetWorkerServicer_to_server,
+        name, stub_cls = (
             "specdec.v1.TargetWorker",
             target_pb2_grpc.TargetWorkerStub,
         )
     else:
         from draft_worker.__main__ import build
 
-        add, name, stub_cls = (
-            draft_pb2_grpc.add_DraftWorkerServicer_to_server,
+        name, stub_cls = (
             "specdec.v1.DraftWorker",
             draft_pb2_grpc.DraftWorkerStub,
         )
@@ -112,7 +110,7 @@ async def worker(servers: ServerLoop, role: str, settings):
 
     async def start():
         server = Server([name])
-        add(service, server.server)
+        server.add(service, name)
         port = server.bind("127.0.0.1", 0)
         await server.start()
         service.batcher.start()

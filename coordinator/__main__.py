@@ -15,7 +15,6 @@ from specdec.serving.redis_embedded import EmbeddedRedis
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
 from specdec.serving.settings import add_flags, from_args
 from specdec.text.tokenizer import load_tokenizer
-from specdec.v1 import coordinator_pb2_grpc
 
 __all__ = ["CoordinatorSettings", "main", "main_async"]
 
@@ -32,8 +31,8 @@ async def main_async(settings: CoordinatorSettings) -> None:
     redis = aioredis.from_url(redis_url)
     telemetry.setup("specdec-coordinator", settings.metrics_port, settings.host)
     service = CoordinatorService(settings, load_tokenizer(settings.tokenizer), redis)
-    server = Server(["specdec.v1.Coordinator"])
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server.server)
+    server = Server(["specdec.v1.Coordinator"], settings.max_message_mb)
+    server.add(service, "specdec.v1.Coordinator")
     port = server.bind(settings.host, settings.port)
     await server.start()
     await service.start()

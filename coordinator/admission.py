@@ -2,20 +2,19 @@
 
 Returns the prompt as token ids, the sampling parameters with `max_new_tokens` resolved
 against the server default and the target's context window, and the requested γ (None =
-the adaptive policy). Every refusal is INVALID_ARGUMENT naming the field.
+the adaptive policy). Every refusal is INVALID_ARGUMENT naming the field; sizes are checked
+before anything is converted or tokenised, and tokenising runs off the event loop.
 """
 
 from __future__ import annotations
 
-import re
+import asyncio
 from dataclasses import dataclass, replace
 
 from coordinator.settings import CoordinatorSettings
 from specdec.core.params import SamplingParams
 from specdec.errors import InvalidArgument
-from specdec.serving.wire import check_tokens, sampling_from_proto
-
-SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+from specdec.serving.wire import check_session_id, check_tokens, sampling_from_proto
 
 
 @dataclass(frozen=True)
@@ -25,18 +24,52 @@ class Admission:
     gamma: int | None  # None = the adaptive policy chooses each round
 
 
-def admit(request, settings: CoordinatorSettings, tokenizer, max_context: int) -> Admission:
-    """Validate a GenerateRequest for a new session (see the module docstring)."""
-    s = settings
-    vocab_size = len(tokenizer)
+def _check_sizes(request, s: CoordinatorSettings) -> None:
+    """Counts and lengths, before anything is converted or tokenised."""
+    if request.session_id:
+        check_session_id(request.session_id)
     if request.return_logprobs:
         raise InvalidArgument("return_logprobs: log-probabilities are not served yet")
     if request.prompt and request.prompt_token_ids:
         raise InvalidArgument("prompt and prompt_token_ids are exclusive; set one")
+    if len(request.prompt_token_ids) > s.max_prompt_tokens:
+        raise InvalidArgument(
+            f"prompt_token_ids: {len(request.prompt_token_ids)} tokens exceed "
+            f"--max-prompt-tokens {s.max_prompt_tokens}"
+        )
+    size = len(request.prompt.encode("utf-8", "surrogatepass"))
+    if size > s.max_prompt_bytes:
+        raise InvalidArgument(
+            f"prompt: {size} bytes exceed --max-prompt-bytes {s.max_prompt_bytes}"
+        )
+    stop, stop_ids = request.sampling.stop, request.sampling.stop_token_ids
+    if len(stop) > s.max_stop_sequences:
+        raise InvalidArgument(
+            f"sampling.stop: {len(stop)} strings exceed --max-stop-sequences {s.max_stop_sequences}"
+        )
+    for i, text in enumerate(stop):
+        if not 1 <= len(text) <= s.max_stop_length:
+            raise InvalidArgument(
+                f"sampling.stop[{i}] must have 1 to {s.max_stop_length} characters, got {len(text)}"
+            )
+    if len(stop_ids) > s.max_stop_token_ids:
+        raise InvalidArgument(
+            f"sampling.stop_token_ids: {len(stop_ids)} ids exceed "
+            f"--max-stop-token-ids {s.max_stop_token_ids}"
+        )
+
+
+async def admit(request, settings: CoordinatorSettings, tokenizer, max_context: int) -> Admission:
+    """Validate a GenerateRequest for a new session (see the module docstring)."""
+    s = settings
+    _check_sizes(request, s)
+    vocab_size = len(tokenizer)
+    params = sampling_from_proto(request.sampling)
+    check_tokens(params.stop_token_ids, vocab_size, "sampling.stop_token_ids")
     if request.prompt_token_ids:
         prompt = check_tokens(request.prompt_token_ids, vocab_size, "prompt_token_ids")
     elif request.prompt:
-        prompt = tokenizer.encode(request.prompt, add_special_tokens=False)
+        prompt = await asyncio.to_thread(tokenizer.encode, request.prompt, add_special_tokens=False)
     else:
         raise InvalidArgument("prompt: one of prompt or prompt_token_ids must be non-empty")
     if not prompt:
@@ -45,26 +78,25 @@ def admit(request, settings: CoordinatorSettings, tokenizer, max_context: int) -
         raise InvalidArgument(
             f"prompt: {len(prompt)} tokens exceed --max-prompt-tokens {s.max_prompt_tokens}"
         )
-    params = sampling_from_proto(request.sampling)
-    check_tokens(params.stop_token_ids, vocab_size, "sampling.stop_token_ids")
-    if any(not text for text in params.stop):
-        raise InvalidArgument("sampling.stop: stop strings must not be empty")
-    max_new = params.max_new_tokens or s.default_max_new_tokens
-    if max_new > s.max_new_tokens:
+    if params.max_new_tokens > s.max_new_tokens:
         raise InvalidArgument(
-            f"sampling.max_new_tokens {max_new} exceeds the limit {s.max_new_tokens}"
+            f"sampling.max_new_tokens {params.max_new_tokens} exceeds the limit {s.max_new_tokens}"
         )
-    max_new = min(max_new, max_context - len(prompt))
-    if max_new < 1:
+    if len(prompt) >= max_context:
         raise InvalidArgument(
             f"prompt: {len(prompt)} tokens leave no room in the target context {max_context}"
         )
+    if params.max_new_tokens and len(prompt) + params.max_new_tokens > max_context:
+        raise InvalidArgument(
+            f"sampling.max_new_tokens: {len(prompt)} prompt tokens + {params.max_new_tokens} "
+            f"new tokens exceed the target context of {max_context} tokens"
+        )
+    # left unset: the server default, as far as the context allows
+    max_new = params.max_new_tokens or min(s.default_max_new_tokens, max_context - len(prompt))
     spec = request.speculation
     gamma = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else None
     if gamma is not None and gamma > s.max_speculative_tokens:
         raise InvalidArgument(
             f"speculation.num_speculative_tokens {gamma} exceeds --max-speculative-tokens {s.max_speculative_tokens}"
         )
-    if request.session_id and not SESSION_ID.match(request.session_id):
-        raise InvalidArgument("session_id must match [A-Za-z0-9._:-]{1,128}")
     return Admission(prompt, replace(params, max_new_tokens=max_new), gamma)

@@ -14,10 +14,10 @@ from coordinator.sessions import Sessions
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import SessionStore
 from specdec.core.params import SamplingParams
-from specdec.errors import NotFound
+from specdec.errors import Exhausted, NotFound
 from specdec.serving import telemetry
 from specdec.serving.rpc import rpc
-from specdec.serving.wire import merge_chunk, sampling_to_proto, stats_to_proto
+from specdec.serving.wire import check_session_id, merge_chunk, sampling_to_proto, stats_to_proto
 from specdec.text.detok import FinishReason
 from specdec.text.tokenizer import eos_token_ids, vocab_fingerprint
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -59,6 +59,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             ),
         )
         self.sessions = Sessions(self.ctx)
+        self.streams = 0  # Generate and GenerateStream calls being served
         self._tasks: set[asyncio.Task] = set()
 
     # --- lifecycle --------------------------------------------------------------------
@@ -103,6 +104,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # --- RPCs -------------------------------------------------------------------------
 
     async def _chunks(self, request):
+        if self.streams >= self.settings.max_streams:
+            raise Exhausted(f"this coordinator serves {self.streams} streams (--max-streams)")
+        self.streams += 1
         session_id, finished = request.session_id, False
         try:
             async for update in self.sessions.follow(request):
@@ -122,6 +126,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not finished:  # the client went away (cancel, deadline, disconnect): stop it
                 self.sessions.cancel_local(session_id)
             raise
+        finally:
+            self.streams -= 1
 
     @rpc
     async def GenerateStream(self, request, context):
@@ -137,6 +143,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @rpc
     async def GetSession(self, request, context):
+        check_session_id(request.session_id)
         record = await self.ctx.store.load(request.session_id)
         if record is None:
             raise NotFound(f"session_id {request.session_id!r} is unknown or expired")
@@ -161,6 +168,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @rpc
     async def CancelSession(self, request, context):
+        check_session_id(request.session_id)
         record = await self.ctx.store.load(request.session_id)
         if record is None:
             raise NotFound(f"session_id {request.session_id!r} is unknown or expired")

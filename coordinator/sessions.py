@@ -77,7 +77,7 @@ class Sessions:
     async def _create(self, request) -> SessionRun | None:
         targets = self.ctx.targets
         max_context = min((w.info.max_context for w in targets.alive()), default=1 << 30)
-        admission = admit(request, self.ctx.settings, self.ctx.tokenizer, max_context)
+        admission = await admit(request, self.ctx.settings, self.ctx.tokenizer, max_context)
         if not targets.alive():
             await targets.refresh()
             if not targets.alive():

@@ -25,6 +25,18 @@ class CoordinatorSettings:
         256, "concurrent sessions this coordinator runs (RESOURCE_EXHAUSTED beyond)"
     )
     max_prompt_tokens: int = opt(4096, "longest prompt accepted (INVALID_ARGUMENT beyond)")
+    max_prompt_bytes: int = opt(
+        262144, "longest text prompt in UTF-8 bytes, checked before tokenising"
+    )
+    max_stop_sequences: int = opt(16, "most stop strings per request")
+    max_stop_length: int = opt(256, "longest stop string, in characters")
+    max_stop_token_ids: int = opt(64, "most stop token ids per request")
+    max_streams: int = opt(
+        1024, "concurrent Generate/GenerateStream calls (RESOURCE_EXHAUSTED beyond)"
+    )
+    max_message_mb: int = opt(
+        4, "largest gRPC message a client may send (RESOURCE_EXHAUSTED beyond)"
+    )
     max_new_tokens: int = opt(4096, "largest sampling.max_new_tokens accepted")
     default_max_new_tokens: int = opt(256, "max_new_tokens when a request leaves it 0")
     max_speculative_tokens: int = opt(

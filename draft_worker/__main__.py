@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from specdec.engine.model import ModelRuntime, RuntimeSettings
 from specdec.serving.settings import opt
-from specdec.v1 import draft_pb2_grpc
 from specdec.worker.lifecycle import worker_main
 from specdec.worker.settings import WorkerSettings
 
@@ -54,7 +53,6 @@ def main(argv: list[str] | None = None) -> None:
         DraftSettings,
         build,
         "draft",
-        draft_pb2_grpc.add_DraftWorkerServicer_to_server,
         "specdec.v1.DraftWorker",
     )
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from specdec.engine.model import ModelRuntime, RuntimeSettings
 from specdec.serving.settings import opt
-from specdec.v1 import target_pb2_grpc
 from specdec.worker.lifecycle import worker_main
 from specdec.worker.settings import WorkerSettings
 
@@ -46,7 +45,6 @@ def main(argv: list[str] | None = None) -> None:
         TargetSettings,
         build,
         "target",
-        target_pb2_grpc.add_TargetWorkerServicer_to_server,
         "specdec.v1.TargetWorker",
     )
 

@@ -11,12 +11,16 @@ from dataclasses import asdict, dataclass, field
 
 from specdec.errors import InvalidArgument
 
+# Below this temperature a request is greedy (as vLLM treats it): dividing float32 logits by
+# 1e-40 would overflow to inf and turn the distribution into NaN.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """The request's processors (in this order: temperature, top-k, top-p, min-p) and stops."""
 
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below MIN_TEMPERATURE) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 0 or 1 = off
     min_p: float = 0.0  # 0 = off
@@ -28,7 +32,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def processors(self) -> tuple[float, int, float, float]:

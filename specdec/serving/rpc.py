@@ -18,6 +18,7 @@ import grpc
 
 from specdec import errors
 from specdec.serving import telemetry
+from specdec.serving.server import Malformed
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,14 @@ async def _abort(service, context, exc: BaseException, name: str):
     await context.abort(code, message)
 
 
+def _refuse_malformed(request) -> None:
+    if isinstance(request, Malformed):
+        raise errors.InvalidArgument(
+            f"request: not a valid {request.message_name} (malformed protobuf, or a string "
+            "field that is not UTF-8)"
+        )
+
+
 def rpc(method):
     """Map errors raised by an async handler (unary or streaming) to gRPC statuses."""
     if inspect.isasyncgenfunction(method):
@@ -61,6 +70,7 @@ def rpc(method):
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
             try:
+                _refuse_malformed(request)
                 async for item in method(self, request, context):
                     yield item
                 _record(self, method.__name__, grpc.StatusCode.OK)
@@ -74,6 +84,7 @@ def rpc(method):
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
         try:
+            _refuse_malformed(request)
             with telemetry.span(f"{type(self).__name__}.{method.__name__}"):
                 response = await method(self, request, context)
             _record(self, method.__name__, grpc.StatusCode.OK)

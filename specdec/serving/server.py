@@ -8,6 +8,8 @@ import logging
 import signal
 
 import grpc
+from google.protobuf import descriptor_pool
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -31,6 +33,28 @@ class Server:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         self.port = 0
+
+    def add(self, servicer, service_name: str) -> None:
+        """Serve `servicer`'s methods for the named service, with request parsing that never
+        fails the call: bytes that are not the method's message (malformed protobuf, a string
+        that is not UTF-8) reach the handler as `Malformed`, which `rpc` refuses as
+        INVALID_ARGUMENT (grpc's own parser would answer with its exception text)."""
+        service = descriptor_pool.Default().FindServiceByName(service_name)
+        handlers = {}
+        for method in service.methods:
+            make = (
+                grpc.unary_stream_rpc_method_handler
+                if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler
+            )
+            handlers[method.name] = make(
+                getattr(servicer, method.name),
+                request_deserializer=_tolerant_parser(GetMessageClass(method.input_type)),
+                response_serializer=lambda message: message.SerializeToString(),
+            )
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service_name, handlers),)
+        )
 
     def bind(self, host: str, port: int) -> int:
         self.port = self.server.add_insecure_port(f"{host}:{port}")
@@ -57,6 +81,23 @@ class Server:
         """Health NOT_SERVING, let in-flight calls finish within the grace period, stop."""
         await self.set_serving(False)
         await self.server.stop(grace_s)
+
+
+class Malformed:
+    """A request whose bytes did not parse as its method's message."""
+
+    def __init__(self, message_name: str):
+        self.message_name = message_name
+
+
+def _tolerant_parser(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception:  # noqa: BLE001 - DecodeError, invalid UTF-8: the handler refuses it
+            return Malformed(message_cls.DESCRIPTOR.full_name)
+
+    return parse
 
 
 def install_signal_handlers(stop: asyncio.Event) -> None:

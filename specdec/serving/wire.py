@@ -7,6 +7,7 @@ stream chunks fold into a whole response.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from specdec.core.params import SamplingParams
@@ -53,6 +54,18 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     msg.stop_token_ids.extend(params.stop_token_ids)
     msg.ignore_eos = params.ignore_eos
     return msg
+
+
+SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def check_session_id(value: str, field_name: str = "session_id") -> str:
+    """InvalidArgument unless 1–128 characters of [A-Za-z0-9._:-] (the value is not echoed)."""
+    if not SESSION_ID.fullmatch(value):
+        raise InvalidArgument(
+            f"{field_name} must be 1 to 128 characters of [A-Za-z0-9._:-] (got {len(value)} characters)"
+        )
+    return value
 
 
 def check_tokens(tokens: Iterable[int], vocab_size: int, field_name: str) -> list[int]:

@@ -18,9 +18,7 @@ from specdec.serving.settings import add_flags, from_args
 log = logging.getLogger(__name__)
 
 
-async def serve_worker(
-    settings, role: str, service, add_to_server, service_name: str, warmup
-) -> None:
+async def serve_worker(settings, role: str, service, service_name: str, warmup) -> None:
     """Serve one worker until SIGTERM/SIGINT, then drain within settings.grace_s.
 
     Health is NOT_SERVING until `warmup()` has run a real forward pass.
@@ -34,8 +32,8 @@ async def serve_worker(
             lambda: service.batcher.in_flight,
             lambda: service.table.evictions,
         )
-    server = Server([service_name])
-    add_to_server(service, server.server)
+    server = Server([service_name], settings.max_message_mb)
+    server.add(service, service_name)
     port = server.bind(settings.host, settings.port)
     address = settings.advertise_addr or f"{settings.host}:{port}"
     service.address = address
@@ -83,7 +81,7 @@ async def warm_up(service) -> None:
 
 
 def worker_main(
-    argv, prog: str, doc: str, settings_cls, build, role: str, add_to_server, service_name: str
+    argv, prog: str, doc: str, settings_cls, build, role: str, service_name: str
 ) -> None:
     """Entry point of a worker process: flags (and SPECDEC_* env), logging, serve until SIGTERM."""
     parser = argparse.ArgumentParser(prog=prog, description=doc)
@@ -93,8 +91,6 @@ def worker_main(
 
     async def run() -> None:
         service = build(settings)
-        await serve_worker(
-            settings, role, service, add_to_server, service_name, lambda: warm_up(service)
-        )
+        await serve_worker(settings, role, service, service_name, lambda: warm_up(service))
 
     asyncio.run(run())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specdec.serving.rpc import rpc
+from specdec.serving.wire import check_session_id
 from specdec.v1 import common_pb2
 from specdec.worker.batcher import Batcher
 from specdec.worker.session_table import SessionTable
@@ -63,6 +64,7 @@ class WorkerService:
 
     @rpc
     async def Release(self, request, context):
+        check_session_id(request.session_id)
         async with self.table.hold(request.session_id):
             released = self.table.release(request.session_id)
         self.batcher.forget(request.session_id)

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from specdec.core.prefix import fingerprint
 from specdec.engine.kv import KVSession
 from specdec.errors import Exhausted, InvalidArgument, NotFound, StaleBase
-from specdec.serving.wire import check_tokens
+from specdec.serving.wire import check_session_id, check_tokens
 
 
 class SessionTable:
@@ -52,8 +52,7 @@ class SessionTable:
         FAILED_PRECONDITION when the epoch is stale or the worker cannot prove it holds the
         prefix (missing tokens or fingerprint mismatch): the caller re-sends it whole.
         """
-        if not base.session_id:
-            raise InvalidArgument("base.session_id must not be empty")
+        check_session_id(base.session_id, "base.session_id")
         if base.base_len < 1:
             raise InvalidArgument("base.base_len must be >= 1 (a prompt of at least one token)")
         if base.base_len > self.max_context:

@@ -29,4 +29,5 @@ class WorkerSettings:
     heartbeat_s: float = opt(2.0, "registry heartbeat period; the entry expires after 3 periods")
     grace_s: float = opt(10.0, "on SIGTERM, how long in-flight calls may finish")
     metrics_port: int = opt(0, "Prometheus metrics port (0 = off)")
+    max_message_mb: int = opt(64, "largest gRPC message between the tiers, in MiB")
     log_level: str = opt("info", "debug | info | warning | error")

@@ -156,7 +156,7 @@ def test_session_record_and_cancel(stub):
     again = stub.Generate(request(gamma=2, max_new_tokens=8, session_id="rec-1"), timeout=60)
     assert list(again.token_ids) == list(response.token_ids)  # reattach, no new generation
     stream = stub.GenerateStream(
-        request(gamma=2, max_new_tokens=2000, session_id="cancel-me"), timeout=60
+        request(gamma=2, max_new_tokens=400, session_id="cancel-me"), timeout=60
     )
     next(stream)
     stub.CancelSession(coordinator_pb2.CancelSessionRequest(session_id="cancel-me"), timeout=10)
@@ -323,7 +323,7 @@ def test_cancel_through_another_coordinator(stack, stub):
     replica = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:
         stream = stub.GenerateStream(
-            request(gamma=2, max_new_tokens=2000, session_id="cancel-remote"), timeout=60
+            request(gamma=2, max_new_tokens=400, session_id="cancel-remote"), timeout=60
         )
         next(stream)
         replica.CancelSession(

@@ -34,12 +34,12 @@ class LoopThread:
 class Worker:
     """A started worker: its service object, address and a sync channel."""
 
-    def __init__(self, loop: LoopThread, service, add_fn, name: str):
+    def __init__(self, loop: LoopThread, service, name: str):
         self.loop, self.service = loop, service
 
         async def start():  # the aio server must be created on the loop that serves it
             self.server = Server([name])
-            add_fn(service, self.server.server)
+            self.server.add(service, name)
             self.address = f"127.0.0.1:{self.server.bind('127.0.0.1', 0)}"
             service.address = self.address
             await self.server.start()
@@ -73,7 +73,6 @@ def start_target(loop_thread, model_dir: str, **overrides) -> Worker:
     worker = Worker(
         loop_thread,
         build_target(settings),
-        target_pb2_grpc.add_TargetWorkerServicer_to_server,
         "specdec.v1.TargetWorker",
     )
     worker.stub = target_pb2_grpc.TargetWorkerStub(worker.channel)
@@ -85,7 +84,6 @@ def start_draft(loop_thread, model_dir: str, **overrides) -> Worker:
     worker = Worker(
         loop_thread,
         build_draft(settings),
-        draft_pb2_grpc.add_DraftWorkerServicer_to_server,
         "specdec.v1.DraftWorker",
     )
     worker.stub = draft_pb2_grpc.DraftWorkerStub(worker.channel)

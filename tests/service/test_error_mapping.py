@@ -49,7 +49,7 @@ class Probe(coordinator_pb2_grpc.CoordinatorServicer):
 async def call_all(kind: str):
     server = Server(["specdec.v1.Coordinator"])
     probe = Probe()
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(probe, server.server)
+    server.add(probe, "specdec.v1.Coordinator")
     port = server.bind("127.0.0.1", 0)
     await server.start()
     try:

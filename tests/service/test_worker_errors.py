@@ -110,6 +110,14 @@ def empty_session_id(request, victim):
     request.base.session_id = ""
 
 
+def huge_session_id(request, victim):
+    request.base.session_id = "v" * 5000
+
+
+def session_id_with_spaces(request, victim):
+    request.base.session_id = "victim and more"
+
+
 def wrong_fingerprint(request, victim):
     request.base.base_fingerprint = fingerprint(victim.history[:-1] + [victim.history[-1] ^ 1])
 
@@ -149,6 +157,8 @@ COMMON = {
     "delta-start+len!=base_len": (delta_length_mismatch, INVALID, "delta"),
     "base_len=0": (empty_base, INVALID, "base.base_len"),
     "empty-session-id": (empty_session_id, INVALID, "base.session_id"),
+    "huge-session-id": (huge_session_id, INVALID, "base.session_id must be 1 to 128"),
+    "session-id-charset": (session_id_with_spaces, INVALID, "base.session_id must be 1 to 128"),
     "base_len-beyond-context": (beyond_the_context, INVALID, "base.base_len"),
     "no-fingerprint-with-delta": (missing_fingerprint, INVALID, "base.base_fingerprint"),
     "wrong-fingerprint": (wrong_fingerprint, STALE, "base.base_fingerprint"),
@@ -236,6 +246,15 @@ def test_release_of_an_unknown_session_is_not_found(draft, target, victim):
     for worker in (draft, target):
         err = rpc_error(worker.stub.Release, common_pb2.ReleaseRequest(session_id="nobody"))
         assert err.code() == grpc.StatusCode.NOT_FOUND and "session_id" in err.details()
+    assert_intact(draft, target, victim)
+
+
+def test_release_checks_the_session_id(draft, target, victim):
+    for worker in (draft, target):
+        for bad in ("", "x" * 5000, "victim extra"):
+            err = rpc_error(worker.stub.Release, common_pb2.ReleaseRequest(session_id=bad))
+            assert err.code() == INVALID and "session_id must be 1 to 128" in err.details()
+            assert len(err.details()) < 200  # the id is not echoed back
     assert_intact(draft, target, victim)
 
 

@@ -1,0 +1,129 @@
+"""Limits on every field of the public API, checked before any work, through the real stack:
+each refusal names the field and never echoes a huge input; a session under attack still
+produces its reference output."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+S = common_pb2.SamplingParams
+
+
+def generate(stub, timeout=30, **fields):
+    fields.setdefault("prompt", "def add(a, b):")
+    return stub.Generate(coordinator_pb2.GenerateRequest(**fields), timeout=timeout)
+
+
+def refused(stub, code=grpc.StatusCode.INVALID_ARGUMENT, **fields) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, **fields)
+    assert info.value.code() == code, info.value.details()
+    assert len(info.value.details()) < 300  # the input is never echoed back whole
+    return info.value.details()
+
+
+LIMITS = [
+    (dict(sampling=S(stop=["x"] * 17)), "sampling.stop: 17 strings exceed --max-stop-sequences 16"),
+    (dict(sampling=S(stop=["y" * 257])), "sampling.stop[0] must have 1 to 256 characters, got 257"),
+    (dict(sampling=S(stop=["ok", ""])), "sampling.stop[1] must have 1 to 256 characters, got 0"),
+    (dict(sampling=S(stop_token_ids=[1] * 65)), "sampling.stop_token_ids: 65 ids exceed"),
+    (dict(prompt="z" * 300_000), "prompt: 300000 bytes exceed --max-prompt-bytes 262144"),
+    (dict(prompt="", prompt_token_ids=[1] * 5000), "prompt_token_ids: 5000 tokens exceed"),
+    (dict(sampling=S(max_new_tokens=600)), "exceed the target context of 512 tokens"),
+    (dict(sampling=S(temperature=float("nan"))), "sampling.temperature must be finite"),
+    (dict(sampling=S(min_p=float("inf"))), "sampling.min_p must be finite"),
+    (dict(session_id="s" * 129), "session_id must be 1 to 128 characters"),
+    (dict(session_id="a b"), "session_id must be 1 to 128 characters"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), LIMITS, ids=[m[:30] for _, m in LIMITS])
+def test_each_limit_names_the_field(stub, fields, message):
+    assert message in refused(stub, **fields)
+
+
+def test_get_and_cancel_check_the_session_id(stub):
+    for call, cls in (
+        (stub.GetSession, coordinator_pb2.GetSessionRequest),
+        (stub.CancelSession, coordinator_pb2.CancelSessionRequest),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            call(cls(session_id="x" * 10_000), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "(got 10000 characters)" in info.value.details()
+
+
+def test_a_tiny_temperature_is_greedy(stub):
+    """1e-40 would overflow float32 logits into NaN; below 1e-5 a request is greedy."""
+    greedy = generate(stub, sampling=S(max_new_tokens=12, ignore_eos=True))
+    tiny = generate(stub, sampling=S(temperature=1e-40, max_new_tokens=12, ignore_eos=True))
+    assert list(tiny.token_ids) == list(greedy.token_ids) and len(greedy.token_ids) == 12
+
+
+def raw_call(address: str, method: str, payload: bytes):
+    channel = grpc.insecure_channel(address)
+    try:
+        call = channel.unary_unary(
+            f"/specdec.v1.Coordinator/{method}",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            call(payload, timeout=10)
+        return info.value
+    finally:
+        channel.close()
+
+
+def test_bytes_that_are_not_a_message_are_invalid_argument(stack):
+    for payload in (b"\xff\xff\xff\xff garbage", b"\x0a\x05ab\xff\xfecd"):  # junk; bad UTF-8
+        err = raw_call(stack.address, "Generate", payload)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid specdec.v1.GenerateRequest" in err.details()
+    err = raw_call(stack.address, "GetSession", b"\x0a\x02\xc3\x28")  # invalid UTF-8 id
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_oversized_message_is_resource_exhausted(stack):
+    request = coordinator_pb2.GenerateRequest(prompt="p" * (5 << 20))  # 5 MiB > 4 MiB
+    channel = grpc.insecure_channel(
+        stack.address, options=[("grpc.max_send_message_length", 16 << 20)]
+    )
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            coordinator_pb2_grpc.CoordinatorStub(channel).Generate(request, timeout=10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        channel.close()
+
+
+def test_max_streams_gives_resource_exhausted(stack):
+    """A coordinator at --max-streams refuses another call; the running stream is unharmed."""
+    from specdec.serving.redis_embedded import free_port
+
+    port = free_port()
+    child = stack.add_coordinator(port, name="coordinator-streams", extra=["--max-streams", "1"])
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    limited = coordinator_pb2_grpc.CoordinatorStub(channel)
+    try:
+        running = limited.GenerateStream(
+            coordinator_pb2.GenerateRequest(
+                prompt="def f(x):", sampling=S(max_new_tokens=300, ignore_eos=True)
+            ),
+            timeout=60,
+        )
+        first = next(running)
+        with pytest.raises(grpc.RpcError) as info:
+            generate(limited, sampling=S(max_new_tokens=4))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max-streams" in info.value.details()
+        tokens = list(first.token_ids) + [t for chunk in running for t in chunk.token_ids]
+        assert len(tokens) == 300
+        assert len(generate(limited, sampling=S(max_new_tokens=4, ignore_eos=True)).token_ids) == 4
+    finally:
+        channel.close()
+        child.signal(15)
+        child.process.wait(timeout=20)
