@@ -32,8 +32,11 @@ FAILOVER_CODES = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+# A full worker (RESOURCE_EXHAUSTED) is back-pressure, not a failure: the draft round goes
+# target-only, a verify waits (backing off) and moves to another target after a few tries;
+# neither marks the worker dead.
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @dataclass
@@ -133,6 +136,9 @@ class SessionLinks:
                 self.draft, "Propose", committed, build, self.ctx.settings.draft_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == BUSY:
+                self.ctx.count("backpressure", tier="draft")
+                return None
             if exc.code() not in FAILOVER_CODES:
                 raise
             address = self.draft.worker.address
@@ -145,6 +151,7 @@ class SessionLinks:
         settings = self.ctx.settings
         deadline = time.monotonic() + settings.worker_timeout_s
         failed: set[str] = set()
+        busy = 0
         while True:
             if self.target.worker is None and not await self.attach("target", exclude=failed):
                 if time.monotonic() > deadline:
@@ -158,6 +165,15 @@ class SessionLinks:
                     self.target, "Verify", committed, build, settings.worker_timeout_s
                 )
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == BUSY:
+                    busy += 1
+                    self.ctx.count("backpressure", tier="target")
+                    if time.monotonic() > deadline:
+                        raise Unavailable("the target tier stayed full past the deadline") from exc
+                    if busy % 3 == 0:  # try a less loaded target; the same one if none
+                        await self.attach("target", exclude={self.target.worker.address})
+                    await asyncio.sleep(min(0.5, 0.01 * 2**busy))
+                    continue
                 if exc.code() not in FAILOVER_CODES:
                     raise
                 address = self.target.worker.address

@@ -60,6 +60,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         )
         self.sessions = Sessions(self.ctx)
         self.streams = 0  # Generate and GenerateStream calls being served
+        self.attached: dict[str, int] = {}  # session id → its streams (ids sent by clients)
         self._tasks: set[asyncio.Task] = set()
 
     # --- lifecycle --------------------------------------------------------------------
@@ -106,8 +107,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def _chunks(self, request):
         if self.streams >= self.settings.max_streams:
             raise Exhausted(f"this coordinator serves {self.streams} streams (--max-streams)")
-        self.streams += 1
         session_id, finished = request.session_id, False
+        attached = self.attached.get(session_id, 0) if session_id else 0
+        if attached >= self.settings.max_streams_per_session:
+            raise Exhausted(f"{attached} streams follow this session (--max-streams-per-session)")
+        self.streams += 1
+        if session_id:
+            self.attached[session_id] = attached + 1
         try:
             async for update in self.sessions.follow(request):
                 session_id = update.session_id
@@ -128,6 +134,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             raise
         finally:
             self.streams -= 1
+            if request.session_id:
+                left = self.attached.pop(request.session_id) - 1
+                if left:
+                    self.attached[request.session_id] = left
 
     @rpc
     async def GenerateStream(self, request, context):

@@ -34,6 +34,9 @@ class CoordinatorSettings:
     max_streams: int = opt(
         1024, "concurrent Generate/GenerateStream calls (RESOURCE_EXHAUSTED beyond)"
     )
+    max_streams_per_session: int = opt(
+        4, "concurrent streams attached to one session_id (RESOURCE_EXHAUSTED beyond)"
+    )
     max_message_mb: int = opt(
         4, "largest gRPC message a client may send (RESOURCE_EXHAUSTED beyond)"
     )

@@ -35,6 +35,7 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
     @rpc
     async def Propose(self, request, context):
         start = time.perf_counter_ns()
+        self.admit_call()
         gamma = request.num_speculative_tokens
         if not 1 <= gamma <= self.settings.max_speculative_tokens:
             raise InvalidArgument(

@@ -42,6 +42,7 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
     @rpc
     async def Verify(self, request, context):
         start = time.perf_counter_ns()
+        self.admit_call()
         runtime = self.engine.runtime
         candidates = check_tokens(request.candidate_ids, runtime.vocab_size, "candidate_ids")
         if len(candidates) > self.settings.max_speculative_tokens:
@@ -101,6 +102,7 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
     @rpc
     async def Prefill(self, request, context):
         start = time.perf_counter_ns()
+        self.admit_call()
         async with self.table.hold(request.base.session_id):
             session = self.table.resolve(request.base, request.delta)
             chunk = self.settings.prefill_chunk

@@ -14,6 +14,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 MESSAGE_LIMIT_MB = 64
+# Pings every 30 s find a dead peer (a vanished pod, a dropped NAT entry) within 40 s.
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+]
 
 
 class Server:
@@ -24,6 +31,7 @@ class Server:
             ("grpc.max_receive_message_length", max_message_mb << 20),
             ("grpc.max_send_message_length", max_message_mb << 20),
             ("grpc.so_reuseport", 0),
+            *KEEPALIVE,
         ]
         self.server = grpc.aio.server(options=options)
         self.health = health.aio.HealthServicer()
@@ -112,6 +120,7 @@ def channel(address: str) -> grpc.aio.Channel:
         options=[
             ("grpc.max_receive_message_length", MESSAGE_LIMIT_MB << 20),
             ("grpc.max_send_message_length", MESSAGE_LIMIT_MB << 20),
+            *KEEPALIVE,
         ],
     )
 

@@ -157,6 +157,10 @@ class CoordinatorMetrics:
         self.lost = m.create_counter(
             "specdec_lost_sessions", description="loops stopped by a lost lease or CAS"
         )
+        self.backpressure = m.create_counter(
+            "specdec_backpressure",
+            description="worker calls answered RESOURCE_EXHAUSTED (full worker), by tier",
+        )
         self.rejected = m.create_counter(
             "specdec_rejected_requests", description="requests refused, by status code"
         )

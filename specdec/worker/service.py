@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specdec.errors import Exhausted
 from specdec.serving.rpc import rpc
 from specdec.serving.wire import check_session_id
 from specdec.v1 import common_pb2
@@ -43,6 +44,15 @@ class WorkerService:
             address=self.address,
             eos_token_ids=m.eos_token_ids,
         )
+
+    def admit_call(self) -> None:
+        """Back-pressure before any work: RESOURCE_EXHAUSTED past --max-in-flight (the caller
+        retries, here later or on another worker; it is not a failed worker)."""
+        if self.batcher.in_flight >= self.settings.max_in_flight:
+            raise Exhausted(
+                f"{self.batcher.in_flight} calls in flight (--max-in-flight "
+                f"{self.settings.max_in_flight})"
+            )
 
     def load(self) -> float:
         """In-flight calls per batch slot, for least-load placement."""

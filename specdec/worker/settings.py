@@ -30,4 +30,7 @@ class WorkerSettings:
     grace_s: float = opt(10.0, "on SIGTERM, how long in-flight calls may finish")
     metrics_port: int = opt(0, "Prometheus metrics port (0 = off)")
     max_message_mb: int = opt(64, "largest gRPC message between the tiers, in MiB")
+    max_in_flight: int = opt(
+        256, "Propose/Verify/Prefill calls queued or running (RESOURCE_EXHAUSTED beyond)"
+    )
     log_level: str = opt("info", "debug | info | warning | error")

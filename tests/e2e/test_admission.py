@@ -100,30 +100,91 @@ def test_an_oversized_message_is_resource_exhausted(stack):
         channel.close()
 
 
-def test_max_streams_gives_resource_exhausted(stack):
-    """A coordinator at --max-streams refuses another call; the running stream is unharmed."""
+def test_stream_caps_give_resource_exhausted(stack):
+    """At --max-streams-per-session a second stream on a session is refused, at --max-streams
+    any further call; the running streams are unharmed and the caps free up afterwards."""
     from specdec.serving.redis_embedded import free_port
 
     port = free_port()
-    child = stack.add_coordinator(port, name="coordinator-streams", extra=["--max-streams", "1"])
+    extra = ["--max-streams", "2", "--max-streams-per-session", "1"]
+    child = stack.add_coordinator(port, name="coordinator-streams", extra=extra)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     limited = coordinator_pb2_grpc.CoordinatorStub(channel)
-    try:
-        running = limited.GenerateStream(
+
+    def stream(session_id):
+        return limited.GenerateStream(
             coordinator_pb2.GenerateRequest(
-                prompt="def f(x):", sampling=S(max_new_tokens=300, ignore_eos=True)
+                prompt="def f(x):",
+                session_id=session_id,
+                sampling=S(max_new_tokens=300, ignore_eos=True),
             ),
             timeout=60,
         )
-        first = next(running)
+
+    try:
+        first_stream = stream("capped-1")
+        first = next(first_stream)
+        with pytest.raises(grpc.RpcError) as info:
+            next(stream("capped-1"))  # a second follower of the same session
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max-streams-per-session" in info.value.details()
+        second_stream = stream("capped-2")
+        second = next(second_stream)
         with pytest.raises(grpc.RpcError) as info:
             generate(limited, sampling=S(max_new_tokens=4))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "max-streams" in info.value.details()
-        tokens = list(first.token_ids) + [t for chunk in running for t in chunk.token_ids]
-        assert len(tokens) == 300
+        assert "--max-streams)" in info.value.details()
+        for head, rest in ((first, first_stream), (second, second_stream)):
+            tokens = list(head.token_ids) + [t for chunk in rest for t in chunk.token_ids]
+            assert len(tokens) == 300
         assert len(generate(limited, sampling=S(max_new_tokens=4, ignore_eos=True)).token_ids) == 4
     finally:
         channel.close()
         child.signal(15)
         child.process.wait(timeout=20)
+
+
+def test_full_workers_are_back_pressure_not_failures(model_dirs):
+    """Workers at --max-in-flight 1 under 6 concurrent sessions answer RESOURCE_EXHAUSTED; the
+    coordinator waits (target) or goes target-only (draft) instead of failing them over, and
+    every greedy output equals the uncontended one."""
+    import threading
+    import urllib.request
+
+    from test_generate import sample
+
+    from specdec.client import Client
+    from specdec.launcher.stack import Stack, StackSettings
+    from specdec.serving.redis_embedded import free_port
+
+    metrics = free_port()
+    settings = StackSettings(
+        model_dirs["target"],
+        model_dirs["draft"],
+        port=free_port(),
+        coordinator_args=["--metrics-port", str(metrics)],
+        target_args=["--max-in-flight", "1"],
+        draft_args=["--max-in-flight", "1"],
+    )
+    prompts = [f"def f{i}(x):" for i in range(6)]
+    kwargs = dict(max_new_tokens=20, num_speculative_tokens=2, ignore_eos=True)
+    with Stack(settings) as stack, Client(stack.address) as client:
+        alone = [list(client.generate(p, **kwargs).token_ids) for p in prompts]
+        together: list = [None] * len(prompts)
+
+        def run(i):
+            with Client(stack.address) as own:
+                together[i] = own.generate(prompts[i], **kwargs)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read()
+    assert [list(r.token_ids) for r in together] == alone
+    assert all(r.stats.target_failovers == 0 and r.stats.draft_failovers == 0 for r in together)
+    pressed = [
+        sample(text.decode(), "specdec_backpressure_total", tier=t) for t in ("target", "draft")
+    ]
+    assert sum(v or 0.0 for v in pressed) > 0  # the workers really were full

@@ -4,6 +4,7 @@ request named (the "victim") exactly as before, from its cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -302,3 +303,23 @@ def test_full_worker_is_resource_exhausted_only_while_every_session_is_busy(
     err = rpc_error(*round_call(role, worker, "a", again, start=len(prompt_a)))
     assert err.code() == STALE
     assert answer(role, worker, "a", again) == answer(role, reference, f"{role}-a2", again)
+
+
+def test_max_in_flight_is_back_pressure_before_any_work(loop_thread, model_dirs):
+    """Past --max-in-flight a worker answers RESOURCE_EXHAUSTED before touching the session
+    (no KV, no batch); with room again the same call is served."""
+    from conftest import start_draft, start_target
+
+    for start, role in ((start_target, "target"), (start_draft, "draft")):
+        worker = start(loop_thread, model_dirs[role], max_in_flight=0)
+        try:
+            call, request = round_call(role, worker, "pressed", [5, 6, 7, 8])
+            err = rpc_error(call, request)
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-in-flight 0" in err.details()
+            assert len(worker.service.table) == 0 and worker.service.batcher.batches_run == 0
+            worker.service.settings = dataclasses.replace(worker.service.settings, max_in_flight=4)
+            call(request, timeout=RPC_TIMEOUT_S)
+            assert len(worker.service.table) == 1
+        finally:
+            worker.stop()
