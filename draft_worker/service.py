@@ -26,6 +26,7 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
                 settings.max_kv_mb << 20,
                 proposer.vocab_size,
                 proposer.max_context,
+                lambda: getattr(getattr(proposer, "runtime", None), "batch_kv_bytes", 0),
             ),
             Batcher(proposer.process, settings.max_batch_size, 1 << 30, settings.max_wait_ms),
             address,
@@ -53,6 +54,7 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
             item = ProposeItem(
                 session, request.base.base_len, gamma, params, request.seed, token_only
             )
+            self.table.enforce_memory()  # before the pass, not only after it
             run = await self.batcher.submit(item, gamma)
             outcome = run.result
             # the session holds all its candidates (the last has no KV yet), so after a round

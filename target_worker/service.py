@@ -28,6 +28,7 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
                 settings.max_kv_mb << 20,
                 runtime.vocab_size,
                 runtime.max_context,
+                lambda: runtime.batch_kv_bytes,
             ),
             Batcher(
                 engine.process,
@@ -82,6 +83,7 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
                 return_logprobs=request.return_logprobs,
             )
             tokens = len(session.pending()) + len(candidates)
+            self.table.enforce_memory()  # before the pass, not only after it
             run = await self.batcher.submit(item, tokens)
             outcome = run.result
         self.table.enforce_memory()

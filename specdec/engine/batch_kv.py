@@ -96,6 +96,10 @@ class BatchKV:
             del self.cols[i][session.kv_len :]
         return True
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
     def cache(self) -> Cache:
         return Cache(layers=[BufferLayer(k, v, self.width) for k, v in zip(self.keys, self.values)])
 

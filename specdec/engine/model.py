@@ -70,6 +70,11 @@ class ModelRuntime:
         self.eos_token_ids = list(eos_token_ids(self.tokenizer))
         self._last_batch: BatchKV | None = None  # model thread only
 
+    @property
+    def batch_kv_bytes(self) -> int:
+        """Bytes of the batch KV buffers kept across passes (a copy of sessions' KV)."""
+        return self._last_batch.nbytes if self._last_batch is not None else 0
+
     @torch.inference_mode()
     def forward(
         self, sessions: list[KVSession], inputs: list[list[int]], keep: int | None = None

@@ -35,6 +35,7 @@ SERVICES = {
     "bench workers": "bench.workers",
     "bench math": "bench.math",
     "bench fuzz": "bench.fuzz",
+    "bench load": "bench.load",
 }
 
 
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return up(rest)
     if command == "generate":
         return generate(rest)
-    if command == "bench" and rest and rest[0] in ("workers", "math", "fuzz"):
+    if command == "bench" and rest and rest[0] in ("workers", "math", "fuzz", "load"):
         command, rest = f"bench {rest[0]}", rest[1:]
     if command not in SERVICES:
         print(f"specdec: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -16,7 +16,14 @@ from specdec.serving.wire import check_session_id, check_tokens
 class SessionTable:
     """Sessions of one worker, least recently used first."""
 
-    def __init__(self, max_sessions: int, max_kv_bytes: int, vocab_size: int, max_context: int):
+    def __init__(
+        self,
+        max_sessions: int,
+        max_kv_bytes: int,
+        vocab_size: int,
+        max_context: int,
+        extra_bytes=lambda: 0,
+    ):
         self.sessions: OrderedDict[str, KVSession] = OrderedDict()
         self.busy: set[str] = set()
         self.locks: dict[str, asyncio.Lock] = {}
@@ -25,6 +32,7 @@ class SessionTable:
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.evictions = 0
+        self.extra_bytes = extra_bytes  # other copies of KV the budget counts (a batch's buffers)
 
     @contextlib.asynccontextmanager
     async def hold(self, session_id: str):
@@ -44,7 +52,8 @@ class SessionTable:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(s.nbytes for s in self.sessions.values())
+        """Every byte of KV the worker holds: the sessions' buffers and `extra_bytes`."""
+        return sum(s.nbytes for s in self.sessions.values()) + self.extra_bytes()
 
     def resolve(self, base, delta) -> KVSession:
         """Check a request's base against the cache and sync the session to it.

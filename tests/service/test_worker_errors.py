@@ -323,3 +323,33 @@ def test_max_in_flight_is_back_pressure_before_any_work(loop_thread, model_dirs)
             assert len(worker.service.table) == 1
         finally:
             worker.stop()
+
+
+def test_out_of_memory_in_a_pass_fails_that_pass_not_the_worker(loop_thread, model_dirs):
+    """A pass that runs out of memory fails its calls (INTERNAL, generic: the coordinator
+    fails them over); the worker keeps serving and its next pass is exact."""
+    import torch
+    from conftest import start_target
+
+    worker = start_target(loop_thread, model_dirs["target"])
+    try:
+        call, request = round_call("target", worker, "oom", [5, 6, 7, 8])
+        expected = call(request, timeout=RPC_TIMEOUT_S)
+        engine = worker.service.engine
+        real = engine.process
+
+        def out_of_memory(items):
+            engine.process = real
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        worker.service.batcher.process = out_of_memory
+        err = rpc_error(call, request)
+        assert err.code() == grpc.StatusCode.INTERNAL
+        assert (
+            err.details().startswith("internal error (request id ") and "GiB" not in err.details()
+        )
+        worker.service.batcher.process = real
+        again = call(request, timeout=RPC_TIMEOUT_S)
+        assert list(again.output_ids) == list(expected.output_ids)
+    finally:
+        worker.stop()

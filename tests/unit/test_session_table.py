@@ -226,3 +226,20 @@ def test_locks_of_evicted_and_released_sessions_are_dropped():
         assert table.locks == {}
 
     asyncio.run(scenario())
+
+
+def test_the_budget_counts_other_copies_of_kv():
+    """kv_bytes includes `extra_bytes` (a batch's KV buffers), and enforce_memory evicts idle
+    sessions to make room for them too."""
+    extra = {"bytes": 0}
+    table = SessionTable(
+        3, 4096, vocab_size=100, max_context=16, extra_bytes=lambda: extra["bytes"]
+    )
+    for sid in ("a", "b"):
+        give_kv(full(table, sid, [1, 2, 3]), 2)  # 2048 bytes each
+    table.enforce_memory()
+    assert list(table.sessions) == ["a", "b"] and table.kv_bytes == 4096
+    extra["bytes"] = 2048
+    assert table.kv_bytes == 6144
+    table.enforce_memory()
+    assert list(table.sessions) == ["b"] and table.kv_bytes == 4096
