@@ -38,7 +38,7 @@ class Worker:
         self.loop, self.service = loop, service
 
         async def start():  # the aio server must be created on the loop that serves it
-            self.server = Server([name])
+            self.server = Server([name], service.settings.max_message_mb)
             self.server.add(service, name)
             self.address = f"127.0.0.1:{self.server.bind('127.0.0.1', 0)}"
             service.address = self.address

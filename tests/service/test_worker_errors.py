@@ -353,3 +353,18 @@ def test_out_of_memory_in_a_pass_fails_that_pass_not_the_worker(loop_thread, mod
         assert list(again.output_ids) == list(expected.output_ids)
     finally:
         worker.stop()
+
+
+def test_a_message_past_max_message_mb_is_resource_exhausted(loop_thread, model_dirs):
+    """A worker refuses a request larger than --max-message-mb before parsing it."""
+    from conftest import start_target
+
+    worker = start_target(loop_thread, model_dirs["target"], max_message_mb=1)
+    try:
+        call, request = round_call("target", worker, "big", [5, 6, 7, 8])
+        request.draft_dists.add(token_ids=list(range(100_000, 700_000)))  # ~1.8 MB on the wire
+        err = rpc_error(call, request)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(worker.service.table) == 0
+    finally:
+        worker.stop()
