@@ -86,7 +86,7 @@ def direct_rounds(
                     parts["target_rpc"].append((t2 - t1) * 1e3 - result.forward_ns / 1e6)
                     parts["round"].append((t2 - t0) * 1e3)
         finally:
-            release = common_pb2.ReleaseRequest(session_id=session_id)
+            release = common_pb2.ReleaseRequest(session_id=session_id, epoch=1)
             for stub in (draft, target):
                 with contextlib.suppress(grpc.RpcError):
                     stub.Release(release, timeout=5.0)

@@ -205,5 +205,6 @@ class SessionLinks:
             # NOT_FOUND there already, or the worker is gone: nothing to free either way
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await link.worker.stub.Release(
-                    common_pb2.ReleaseRequest(session_id=self.session_id), timeout=2.0
+                    common_pb2.ReleaseRequest(session_id=self.session_id, epoch=self.epoch),
+                    timeout=2.0,
                 )

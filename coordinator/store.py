@@ -1,6 +1,8 @@
 """Versioned sessions in Redis: records, leases and the atomic commit (compare-and-set).
 
-Keys per session (prefix specdec:session:<id>):
+Keys per session (prefix specdec:session:{<id>}; ids are [A-Za-z0-9._:-], so the braces both
+keep one id from reaching another's keys — "a:cancel" is not a's cancel flag — and make the
+id the Redis Cluster hash tag: every key of a session is in one slot, as scripts need):
   <p>          hash   epoch, version (= committed length), prompt, sampling, seed, gamma,
                       draft_worker, target_worker, owner, status, finish_reason, stats, tail,
                       created, updated
@@ -132,7 +134,7 @@ class Keys:
 
     @classmethod
     def of(cls, session_id: str) -> Keys:
-        p = PREFIX + session_id
+        p = PREFIX + "{" + session_id + "}"
         return cls(p, p + ":tokens", p + ":text", p + ":lease", p + ":cancel")
 
 

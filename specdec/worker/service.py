@@ -76,7 +76,7 @@ class WorkerService:
     async def Release(self, request, context):
         check_session_id(request.session_id)
         async with self.table.hold(request.session_id):
-            released = self.table.release(request.session_id)
+            released = self.table.release(request.session_id, request.epoch)
         self.batcher.forget(request.session_id)
         return common_pb2.ReleaseResponse(released_tokens=released)
 

@@ -131,9 +131,13 @@ class SessionTable:
         while self.kv_bytes > self.max_kv_bytes and self._evict_one():
             pass
 
-    def release(self, session_id: str) -> int:
-        session = self.sessions.pop(session_id, None)
+    def release(self, session_id: str, epoch: int) -> int:
+        """Drop a session's KV; refused for an epoch older than the worker's (fencing)."""
+        session = self.sessions.get(session_id)
         if session is None:
             raise NotFound(f"session_id {session_id!r} is not held by this worker")
+        if epoch < session.epoch:
+            raise StaleBase(f"epoch {epoch} is older than the worker's epoch {session.epoch}")
+        del self.sessions[session_id]
         self._drop_lock(session_id)
         return session.kv_len

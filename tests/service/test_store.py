@@ -327,3 +327,16 @@ def test_take_over_refuses_finished_and_missing_sessions(url, db, sid):
     missing = f"test-{uuid.uuid4().hex}"
     assert call(url, "take_over", missing, "c2") is None
     assert db.exists(*vars(Keys.of(missing)).values()) == 0  # not even a stub hash
+
+
+def test_an_id_cannot_reach_another_sessions_keys(url, db, sid):
+    """Ids may contain ':'; "<sid>:cancel" is a session of its own, never <sid>'s cancel flag,
+    and every key of a session shares one Redis Cluster hash tag."""
+    started(url, sid)
+    other = f"{sid}:cancel"
+    assert call(url, "create", record(other), "c2") is True
+    assert call(url, "commit", sid, "c1", 4, 0, [9], ["y"], {}) == (5, "")  # not cancelled
+    assert db.hget(Keys.of(other).hash, "owner") == "c2"
+    k = Keys.of(sid)
+    tags = {key[key.index("{") : key.index("}") + 1] for key in vars(k).values()}
+    assert tags == {"{" + sid + "}"}

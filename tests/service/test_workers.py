@@ -76,7 +76,7 @@ def first_round(draft, target, name: str, wanted) -> tuple:
         if wanted(result.num_accepted):
             return sid, prompt, result
         for worker in (draft, target):
-            worker.stub.Release(common_pb2.ReleaseRequest(session_id=sid))
+            worker.stub.Release(common_pb2.ReleaseRequest(session_id=sid, epoch=1))
     pytest.fail(f"no round of 40 prompts had the wanted acceptance ({name})")
 
 

@@ -166,12 +166,12 @@ def test_release_returns_kv_len_and_removes_session():
     table = make_table()
     give_kv(full(table, "a", [1, 2, 3, 4]), 3)
     full(table, "b", [5])
-    assert table.release("a") == 3
+    assert table.release("a", 0) == 3
     assert list(table.sessions) == ["b"]
     with pytest.raises(NotFound, match="session_id 'a' is not held"):
-        table.release("a")
+        table.release("a", 0)
     with pytest.raises(NotFound, match="'nope'"):
-        table.release("nope")
+        table.release("nope", 0)
     assert list(table.sessions) == ["b"]
 
 
@@ -222,7 +222,7 @@ def test_locks_of_evicted_and_released_sessions_are_dropped():
         async with table.hold("b"):  # admitting b evicts a (idle)
             full(table, "b", [3, 4])
         assert list(table.sessions) == ["b"] and list(table.locks) == ["b"]
-        table.release("b")
+        table.release("b", 0)
         assert table.locks == {}
 
     asyncio.run(scenario())
@@ -243,3 +243,13 @@ def test_the_budget_counts_other_copies_of_kv():
     assert table.kv_bytes == 6144
     table.enforce_memory()
     assert list(table.sessions) == ["b"] and table.kv_bytes == 4096
+
+
+def test_release_is_fenced_by_epoch():
+    """A release from a superseded coordinator (older epoch) is refused and keeps the KV."""
+    table = make_table()
+    give_kv(full(table, "s", [1, 2, 3], epoch=4), 2)
+    with pytest.raises(StaleBase, match="epoch 3 is older than the worker's epoch 4"):
+        table.release("s", 3)
+    assert "s" in table.sessions and table.sessions["s"].kv_len == 2
+    assert table.release("s", 4) == 2 and "s" not in table.sessions
