@@ -175,14 +175,19 @@ def run_rounds(draft, target, params, gamma, trials, seed, token_only=False, acc
         result = verify_block(
             p, q, candidates, torch.full((n,), gamma), seeds[active], length[active]
         )
-        for row, trial in enumerate(active.tolist()):
-            produced = result.output_tokens[row, : int(result.num_output[row])]
-            start = int(length[trial])
-            out[trial, start : start + len(produced)] = produced
-            length[trial] += len(produced)
-            for token in produced.tolist():
-                code[trial] = TableModel.extend(code[trial : trial + 1], torch.tensor([token]))[0]
+        append_round(out, length, code, active, result)
     return out[:, :LENGTH]
+
+
+def append_round(out, length, code, active, result) -> None:
+    """Add a verify round's tokens to each active trial's output, length and history code."""
+    for row, trial in enumerate(active.tolist()):
+        produced = result.output_tokens[row, : int(result.num_output[row])]
+        start = int(length[trial])
+        out[trial, start : start + len(produced)] = produced
+        length[trial] += len(produced)
+        for token in produced.tolist():
+            code[trial] = TableModel.extend(code[trial : trial + 1], torch.tensor([token]))[0]
 
 
 def chi_square_pvalue(samples: torch.Tensor, joint: dict[tuple[int, ...], float]) -> float:

@@ -9,7 +9,14 @@ import itertools
 
 import pytest
 import torch
-from test_lossless import P_FAIL, P_PASS, TABLE_ROWS, chi_square_pvalue
+from test_lossless import (
+    P_FAIL,
+    P_PASS,
+    TABLE_ROWS,
+    TableModel,
+    append_round,
+    chi_square_pvalue,
+)
 
 from specdec.core.params import SamplingParams
 from specdec.core.processed import ProcessorParams
@@ -25,19 +32,12 @@ GAMMA = 2
 TRIALS = 20_000
 
 
-class Table:
-    """Logits as a table lookup of a hash of the history (float32, as a model emits them)."""
+class Table(TableModel):
+    """The tests' table 'language model' over 6 tokens, float32 as a model emits logits."""
 
     def __init__(self, generator: torch.Generator, base: torch.Tensor | None = None, noise=1.0):
         table = torch.randn(TABLE_ROWS, VOCAB, generator=generator) * 1.5
         self.table = table if base is None else base + noise * table
-
-    @staticmethod
-    def extend(code: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return (code * 31 + tokens + 7) % 1_000_003
-
-    def logits(self, code: torch.Tensor) -> torch.Tensor:
-        return self.table[code % TABLE_ROWS]
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +98,7 @@ def run_rounds(draft, target, params, seed, wrong_bonus=False) -> torch.Tensor:
             length[active],
         )
         rounds_with_bonus += int((result.num_accepted == GAMMA).sum())
-        for row, trial in enumerate(active.tolist()):
-            produced = result.output_tokens[row, : int(result.num_output[row])]
-            start = int(length[trial])
-            out[trial, start : start + len(produced)] = produced
-            length[trial] += len(produced)
-            for token in produced.tolist():
-                code[trial] = Table.extend(code[trial : trial + 1], torch.tensor([token]))[0]
+        append_round(out, length, code, active, result)
     assert rounds_with_bonus > TRIALS // 10  # the bonus path is well exercised
     return out[:, :LENGTH]
 
