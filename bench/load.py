@@ -96,6 +96,8 @@ async def phase(address: str, requests: list, concurrency: int, timeout_s: float
                 result = await one(stub, request, cancel, timeout_s)
                 result["expected"] = expected.name if expected else None
                 results.append(result)
+                if len(results) % 50 == 0:
+                    print(f"  {len(results)}/{len(requests)} requests", flush=True)
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))

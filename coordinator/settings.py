@@ -54,7 +54,9 @@ class CoordinatorSettings:
     )
     draft_timeout_s: float = opt(5.0, "deadline of a Propose call; past it the session fails over")
     prefill_threshold: int = opt(
-        256, "a target that lacks more committed tokens than this gets a chunked Prefill first"
+        32,
+        "a target that lacks more committed tokens than this gets a chunked Prefill first "
+        "(so a new prompt does not pad a whole batch of decoding sessions to its length)",
     )
     coordinator_id: str = opt("", "owner id in session leases (default: random)")
     grace_s: float = opt(10.0, "on SIGTERM, how long in-flight streams may finish")

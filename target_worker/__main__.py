@@ -22,7 +22,7 @@ class TargetSettings(WorkerSettings):
         "most a batch waits for the other recently active sessions (also at most half a forward)",
     )
     max_batch_tokens: int = opt(
-        4096, "most tokens (cached-uncomputed + candidates) in one forward pass"
+        4096, "most positions in one forward pass: sessions × the longest input (padding included)"
     )
     prefill_chunk: int = opt(512, "tokens per Prefill forward pass")
 

@@ -38,7 +38,8 @@ class BatchRun(NamedTuple):
 class Batcher:
     """Collects concurrent requests into batches run by ONE model thread.
 
-    A batch closes when it holds max_batch_size items or max_batch_tokens tokens, or as soon
+    A batch closes when it holds max_batch_size items or max_batch_tokens positions (items ×
+    the longest item: what the padded pass computes), or as soon
     as it holds every session that was active in the last second and not released since (so a
     lone session never waits), or when waiting for the rest has taken `wait_fraction` of a
     recent forward pass (EWMA) or max_wait_ms, whichever is less. Waiting pays because a
@@ -115,7 +116,7 @@ class Batcher:
     async def _collect(self) -> list[_Pending]:
         first = self._carry or await self.queue.get()
         self._carry = None
-        batch, tokens = [first], first.tokens
+        batch, longest = [first], first.tokens
         deadline = time.perf_counter() + min(self.max_wait_s, self.wait_fraction * self.forward_s)
         expected = self._active_sessions()
         while len(batch) < self.max_batch_size:
@@ -129,11 +130,12 @@ class Batcher:
                     nxt = await asyncio.wait_for(self.queue.get(), remaining)
                 except asyncio.TimeoutError:
                     break
-            if tokens + nxt.tokens > self.max_batch_tokens:
+            # a pass computes every item at the longest one's length: count padded positions
+            if (len(batch) + 1) * max(longest, nxt.tokens) > self.max_batch_tokens:
                 self._carry = nxt  # starts the next batch
                 break
             batch.append(nxt)
-            tokens += nxt.tokens
+            longest = max(longest, nxt.tokens)
         return batch
 
     async def _run(self) -> None:

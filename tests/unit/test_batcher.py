@@ -252,3 +252,17 @@ def test_stop_fails_queued_and_running_items():
     results = asyncio.run(main())
     assert started.is_set()
     assert all(isinstance(r, Unavailable) for r in results), results
+
+
+def test_the_token_budget_counts_padded_positions():
+    """Three 1-token items and an 8-token one sum to 11 tokens, but a pass of all four would
+    compute 4 × 8 = 32 positions: the long one starts the next pass (limit 12)."""
+    process = Recorder()
+
+    async def scenario(b):
+        tokens = [1, 1, 1, 8]
+        return await asyncio.gather(*(b.submit(item(f"s{i}", i), t) for i, t in enumerate(tokens)))
+
+    runs = run(scenario, process, max_batch_tokens=12)
+    assert process.batches == [[0, 1, 2], [3]]
+    assert [r.positions for r in runs] == [3, 3, 3, 8]
