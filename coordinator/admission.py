@@ -9,6 +9,8 @@ before anything is converted or tokenised, and tokenising runs off the event loo
 from __future__ import annotations
 
 import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from coordinator.settings import CoordinatorSettings
@@ -59,17 +61,37 @@ def _check_sizes(request, s: CoordinatorSettings) -> None:
         )
 
 
-async def admit(request, settings: CoordinatorSettings, tokenizer, max_context: int) -> Admission:
+class Encoder:
+    """Prompt tokenising off the event loop. A Rust tokenizer must not be used from two
+    threads at once (encoding mutates its padding/truncation state: "Already borrowed"),
+    so prompts are encoded by a copy of it, in one thread of their own, while the loop keeps
+    the original for detokenising."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self.vocab_size = len(tokenizer)
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def encode(self, text: str) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.thread, lambda: self.tokenizer.encode(text, add_special_tokens=False)
+        )
+
+
+async def admit(
+    request, settings: CoordinatorSettings, encoder: Encoder, max_context: int
+) -> Admission:
     """Validate a GenerateRequest for a new session (see the module docstring)."""
     s = settings
     _check_sizes(request, s)
-    vocab_size = len(tokenizer)
+    vocab_size = encoder.vocab_size
     params = sampling_from_proto(request.sampling)
     check_tokens(params.stop_token_ids, vocab_size, "sampling.stop_token_ids")
     if request.prompt_token_ids:
         prompt = check_tokens(request.prompt_token_ids, vocab_size, "prompt_token_ids")
     elif request.prompt:
-        prompt = await asyncio.to_thread(tokenizer.encode, request.prompt, add_special_tokens=False)
+        prompt = await encoder.encode(request.prompt)
     else:
         raise InvalidArgument("prompt: one of prompt or prompt_token_ids must be non-empty")
     if not prompt:

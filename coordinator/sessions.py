@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from coordinator.admission import admit
+from coordinator.admission import Encoder, admit
 from coordinator.context import RunContext
 from coordinator.run import SessionRun
 from coordinator.store import LostSession, SessionRecord
@@ -42,6 +42,7 @@ class Update:
 class Sessions:
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
+        self.encoder = Encoder(ctx.tokenizer)
         self.runs: dict[str, tuple[SessionRun, asyncio.Task]] = {}
 
     def __len__(self) -> int:
@@ -77,7 +78,7 @@ class Sessions:
     async def _create(self, request) -> SessionRun | None:
         targets = self.ctx.targets
         max_context = min((w.info.max_context for w in targets.alive()), default=1 << 30)
-        admission = await admit(request, self.ctx.settings, self.ctx.tokenizer, max_context)
+        admission = await admit(request, self.ctx.settings, self.encoder, max_context)
         if not targets.alive():
             await targets.refresh()
             if not targets.alive():
