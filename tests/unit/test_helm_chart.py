@@ -8,10 +8,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm  # pinned in the dev extras: a broken install must fail, not skip
 import pytest
 import yaml
-
-helm = pytest.importorskip("helm_python")
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "deploy" / "helm" / "specdec"
