@@ -9,10 +9,11 @@ threshold τ per row, and
     p(v) = exp(z_v − log Z)   for z_v ≥ τ,   0 otherwise,   log Z = log Σ_{z ≥ τ} exp(z).
 
 So a row is described by (τ, log Z): O(1) numbers instead of a dense [vocab] float64 row.
-Finding τ needs only the row's largest values: `torch.topk` of a small window (`WINDOW`),
-widened only for the rows whose nucleus does not fit, to a width that a one-pass histogram
-of the row's mass shows to be enough. log Z comes from the window when the kept set fits in
-it, else from one pass over the row.
+Finding τ needs only the row's largest values: `torch.topk` of a small window (`WINDOW`).
+A row whose top-p nucleus does not fit is finished from a histogram of its mass and a sort of
+the one bin where the nucleus ends (`_nucleus_cut`), never a sort of the vocabulary. log Z
+comes from the window when the kept set fits in it, else from one pass over the row; the
+whole-row sums are float32 exps added in float64 (p then sums to 1 within ~1e-7).
 
 Precision: logits and z stay float32 on the model's device, as the model produced them; the
 threshold decisions are made in float32 as `specdec.core.sampling.apply_processors` (the
@@ -31,7 +32,7 @@ import torch
 from specdec.core.params import SamplingParams
 
 WINDOW = 64  # top values examined for every sampling row (more only where a nucleus needs it)
-WIDE = 2048  # up to this many values, a window's log Z is computed all in float64
+WIDE = 2048  # up to this many values (a window), log Z is computed all in float64
 
 
 @dataclass(frozen=True)
