@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.core.params import SamplingParams
-from specdec.core.processed import ProcessorParams, process
+from specdec.core.processed import ProcessorParams
 from specdec.core.rng import seed_tensor
 from specdec.core.verify import DraftBlock, verify_logits
 from specdec.engine.kv import KVSession
@@ -89,7 +89,7 @@ class TargetEngine:
         result = verify_logits(logits, greedy, sampling, block, seeds, base)
         num_accepted = result.num_accepted.tolist()
         outputs = result.output_tokens.tolist()
-        logprobs = self._logprobs(items, logits, sampling, greedy, result)
+        logprobs = self._logprobs(items, logits, greedy, result)
         outcomes = []
         for b, item in enumerate(items):
             n = num_accepted[b]
@@ -98,19 +98,14 @@ class TargetEngine:
             outcomes.append(VerifyOutcome(n, outputs[b][: n + 1], logprobs[b], len(inputs[b])))
         return outcomes
 
-    def _logprobs(self, items, logits, sampling, greedy, result) -> list[list[float]]:
+    def _logprobs(self, items, logits, greedy, result) -> list[list[float]]:
         """log p of each output token under the request's processed p (the raw softmax for
-        greedy requests), for the items that asked; computed only then."""
+        greedy requests), for the items that asked; from the verify's own processed rows."""
         wanted = [b for b, item in enumerate(items) if item.return_logprobs]
         out: list[list[float]] = [[] for _ in items]
         if not wanted:
             return out
-        processed = None
-        if not bool(greedy.all()):
-            s = (~greedy).nonzero().squeeze(1)
-            processed = process(
-                logits[s].reshape(-1, logits.shape[-1]), sampling.repeat_rows(logits.shape[1])
-            )
+        processed = result.processed
         sampling_row = {int(b): i for i, b in enumerate((~greedy).nonzero().squeeze(1).tolist())}
         for b in wanted:
             n = int(result.num_accepted[b])

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.core.processed import ProcessorParams, process
+from specdec.core.processed import Processed, ProcessorParams, process
 from specdec.core.rng import Stream, uniform
 from specdec.core.sampling import sample_inverse_cdf
 
@@ -33,6 +33,9 @@ class VerifyResult:
     num_accepted: torch.Tensor  # [B] int64
     output_tokens: torch.Tensor  # [B, γ+1] int64: accepted then recovered/bonus, -1 padded
     num_output: torch.Tensor  # [B] int64 = num_accepted + 1
+    # the hot path's processed p of the sampling rows ([S·(γ+1)] rows, session order), so a
+    # caller wanting log-probabilities does not process the logits again
+    processed: Processed | None = None
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -173,6 +176,7 @@ def verify_logits(
         num_accepted[g] = same.long().cumprod(dim=1).sum(dim=1)
         next_tokens[g] = best.gather(1, num_accepted[g, None]).squeeze(1)
     s = (~greedy).nonzero().squeeze(1)
+    processed = None
     if len(s):
         rows = logits if len(s) == batch else logits[s]  # no copy when all rows sample
         processed = process(rows.reshape(-1, vocab), params.repeat_rows(slots))
@@ -188,4 +192,6 @@ def verify_logits(
         q_next = block.dense_q(s, n.clamp(max=max(gamma - 1, 0)), vocab) if gamma else p_next
         num_accepted[s] = n
         next_tokens[s] = next_token(p_next, q_next, rejected, seeds[s], base_positions[s] + n)
-    return assemble(candidates, num_accepted, next_tokens)
+    result = assemble(candidates, num_accepted, next_tokens)
+    result.processed = processed
+    return result
