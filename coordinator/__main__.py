@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from coordinator.service import CoordinatorService
 from coordinator.settings import CoordinatorSettings
+from specdec.catalog import resolve_dir
 from specdec.serving import telemetry
 from specdec.serving.redis_embedded import EmbeddedRedis
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
@@ -30,7 +31,7 @@ async def main_async(settings: CoordinatorSettings) -> None:
         log.info("embedded redis-server on %s", redis_url)
     redis = aioredis.from_url(redis_url)
     telemetry.setup("specdec-coordinator", settings.metrics_port, settings.host)
-    service = CoordinatorService(settings, load_tokenizer(settings.tokenizer), redis)
+    service = CoordinatorService(settings, load_tokenizer(resolve_dir(settings.tokenizer)), redis)
     server = Server(["specdec.v1.Coordinator"], settings.max_message_mb)
     server.add(service, "specdec.v1.Coordinator")
     port = server.bind(settings.host, settings.port)

@@ -18,6 +18,8 @@ from specdec.core.params import SamplingParams
 from specdec.errors import InvalidArgument
 from specdec.serving.wire import check_session_id, check_tokens, sampling_from_proto
 
+CHAT_ROLES = ("system", "user", "assistant")
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -32,8 +34,27 @@ def _check_sizes(request, s: CoordinatorSettings) -> None:
         check_session_id(request.session_id)
     if request.return_logprobs:
         raise InvalidArgument("return_logprobs: log-probabilities are not served yet")
-    if request.prompt and request.prompt_token_ids:
-        raise InvalidArgument("prompt and prompt_token_ids are exclusive; set one")
+    given = [
+        name
+        for name, value in (
+            ("prompt", request.prompt),
+            ("prompt_token_ids", request.prompt_token_ids),
+            ("messages", request.messages),
+        )
+        if value
+    ]
+    if len(given) > 1:
+        raise InvalidArgument(f"{' and '.join(given)} are exclusive; set one")
+    if len(request.messages) > s.max_messages:
+        raise InvalidArgument(
+            f"messages: {len(request.messages)} messages exceed --max-messages {s.max_messages}"
+        )
+    for i, message in enumerate(request.messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                f"{message.role[:32]!r}"
+            )
     if len(request.prompt_token_ids) > s.max_prompt_tokens:
         raise InvalidArgument(
             f"prompt_token_ids: {len(request.prompt_token_ids)} tokens exceed "
@@ -43,6 +64,11 @@ def _check_sizes(request, s: CoordinatorSettings) -> None:
     if size > s.max_prompt_bytes:
         raise InvalidArgument(
             f"prompt: {size} bytes exceed --max-prompt-bytes {s.max_prompt_bytes}"
+        )
+    size = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.messages)
+    if size > s.max_prompt_bytes:
+        raise InvalidArgument(
+            f"messages: {size} bytes of content exceed --max-prompt-bytes {s.max_prompt_bytes}"
         )
     stop, stop_ids = request.sampling.stop, request.sampling.stop_token_ids
     if len(stop) > s.max_stop_sequences:
@@ -78,6 +104,27 @@ class Encoder:
             self.thread, lambda: self.tokenizer.encode(text, add_special_tokens=False)
         )
 
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The conversation rendered with the tokenizer's chat template, as the prompt of the
+        assistant's next turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidArgument("messages: the target model has no chat template; send prompt")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.thread, lambda: self._render(messages))
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        from jinja2.exceptions import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except TemplateError as exc:  # the model's own template refused the conversation
+            raise InvalidArgument(
+                f"messages: the chat template refused them: {str(exc)[:200]}"
+            ) from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
 
 async def admit(
     request, settings: CoordinatorSettings, encoder: Encoder, max_context: int
@@ -92,8 +139,13 @@ async def admit(
         prompt = check_tokens(request.prompt_token_ids, vocab_size, "prompt_token_ids")
     elif request.prompt:
         prompt = await encoder.encode(request.prompt)
+    elif request.messages:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        prompt = await encoder.encode_chat(messages)
     else:
-        raise InvalidArgument("prompt: one of prompt or prompt_token_ids must be non-empty")
+        raise InvalidArgument(
+            "prompt: one of prompt, prompt_token_ids or messages must be non-empty"
+        )
     if not prompt:
         raise InvalidArgument("prompt: encodes to zero tokens")
     if len(prompt) > s.max_prompt_tokens:

@@ -9,7 +9,10 @@ from specdec.serving.settings import opt
 
 @dataclass(frozen=True)
 class CoordinatorSettings:
-    tokenizer: str = opt("models/target", "directory of the target model's tokenizer")
+    tokenizer: str = opt(
+        "smollm2-135m-instruct",
+        "the target model's tokenizer: its directory, or a catalogued model name",
+    )
     host: str = opt("127.0.0.1", "address to bind (0.0.0.0 in a container)")
     port: int = opt(50051, "gRPC port of the public API (0 = pick a free one)")
     redis_url: str = opt(
@@ -26,8 +29,11 @@ class CoordinatorSettings:
     )
     max_prompt_tokens: int = opt(4096, "longest prompt accepted (INVALID_ARGUMENT beyond)")
     max_prompt_bytes: int = opt(
-        262144, "longest text prompt in UTF-8 bytes, checked before tokenising"
+        262144,
+        "longest text prompt (or all chat messages' content) in UTF-8 bytes, checked before "
+        "tokenising",
     )
+    max_messages: int = opt(256, "most chat messages per request")
     max_stop_sequences: int = opt(16, "most stop strings per request")
     max_stop_length: int = opt(256, "longest stop string, in characters")
     max_stop_token_ids: int = opt(64, "most stop token ids per request")

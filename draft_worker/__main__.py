@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.engine.convert import resolve_model
 from specdec.engine.model import ModelRuntime, RuntimeSettings
 from specdec.serving.settings import opt
 from specdec.worker.lifecycle import worker_main
@@ -13,7 +14,8 @@ from specdec.worker.settings import WorkerSettings
 @dataclass(frozen=True)
 class DraftSettings(WorkerSettings):
     model: str = opt(
-        "models/draft", "Hugging Face model directory of the draft (tokenizer only for ngram)"
+        "models/smollm2-draft",
+        "the draft: a Hugging Face model directory or a catalogued name (tokenizer only for ngram)",
     )
     port: int = opt(50061, "gRPC port (0 = pick a free one)")
     max_speculative_tokens: int = opt(16, "largest γ accepted by Propose")
@@ -36,10 +38,12 @@ def build(settings: DraftSettings):
     from draft_worker.service import DraftService
 
     if settings.proposer == "ngram":
-        proposer = NgramProposer(settings.model, max_ngram=settings.ngram_max)
+        proposer = NgramProposer(resolve_model(settings.model), max_ngram=settings.ngram_max)
     else:
         runtime = ModelRuntime(
-            RuntimeSettings(settings.model, settings.device, settings.dtype, settings.threads)
+            RuntimeSettings(
+                resolve_model(settings.model), settings.device, settings.dtype, settings.threads
+            )
         )
         proposer = ModelProposer(runtime, settings.wire_top_k)
     return DraftService(proposer, settings, address="")

@@ -51,6 +51,7 @@ class ModelProposer:
         self.eos_token_ids = runtime.eos_token_ids
         self.model_name = runtime.model_name
         self.device = str(runtime.device)
+        self.head_ids = runtime.head_ids  # column -> token id when the head is restricted
 
     def process(self, items: list[ProposeItem]) -> list[ProposeOutcome]:
         outcomes = [
@@ -71,6 +72,8 @@ class ModelProposer:
                 self.wire_top_k,
                 [items[i].token_only for i in active],
             )
+            if self.head_ids is not None:  # head columns -> token ids (q̃ is unchanged)
+                proposal = proposal.over(self.head_ids)
             tokens = proposal.tokens.tolist()
             if proposal.dist_ids is not None:
                 dist_ids, dist_weights = proposal.dist_ids.cpu(), proposal.dist_weights.cpu()

