@@ -105,7 +105,8 @@ class SessionRun:
             self.ctx.count("lost")
             self.error = exc
         except BaseException as exc:
-            self.error = exc
+            if not isinstance(self.error, LostSession):  # lease renewal may have said why
+                self.error = exc
             if not isinstance(exc, asyncio.CancelledError):
                 log.exception("session %s failed", self.session_id)
             raise

@@ -53,17 +53,37 @@ class Sessions:
     async def open(self, request) -> SessionRun | None:
         """Start a new session or find/resume an existing one; None = follow it in Redis."""
         session_id = request.session_id
-        if session_id in self.runs:
-            return self.runs[session_id][0]
-        record = await self.ctx.store.load(session_id) if session_id else None
-        if record is None:
+        if not session_id:
             return await self._create(request)
+        if session_id not in self.runs and await self.ctx.store.load(session_id) is None:
+            return await self._create(request)
+        return await self._attach(session_id)
+
+    async def _attach(self, session_id: str) -> SessionRun | None:
+        """An existing session: this coordinator's live run, a takeover when its owner's lease
+        has expired, or None to follow it in Redis. Never creates a session: a follower whose
+        session vanished gets NOT_FOUND, never another generation under the same stream."""
+        entry = self.runs.get(session_id)
+        if entry is not None:
+            run, task = entry
+            if not isinstance(run.error, LostSession):
+                return run
+            # a run that lost its lease, still releasing its workers: wait for it to end
+            # (it yields), then look at Redis like any other coordinator would
+            await asyncio.wait({task})
+            if self.runs.get(session_id) is entry:
+                self.runs.pop(session_id)
+        record = await self.ctx.store.load(session_id)
+        if record is None:
+            raise NotFound(f"session_id {session_id!r} is unknown or expired")
         if record.status == "finished":
             return None
         epoch = await self.ctx.store.take_over(record.session_id, self.ctx.owner)
         if epoch is None:
             return None  # another live coordinator runs it: follow it in Redis
         record = await self.ctx.store.load(record.session_id)
+        if record is None:
+            raise NotFound(f"session_id {session_id!r} is unknown or expired")
         run = self._spawn(record, epoch, SamplingParams.from_dict(record.sampling, record.seed))
         run.stats.takeovers += 1
         self.ctx.count("takeovers")
@@ -98,7 +118,7 @@ class Sessions:
             gamma=admission.gamma,
         )
         if not await self.ctx.store.create(record, self.ctx.owner):
-            return await self.open(request)  # lost a creation race: attach to the winner
+            return await self._attach(record.session_id)  # lost a creation race: the winner's
         return self._spawn(record, record.epoch, params)
 
     def _spawn(self, record: SessionRecord, epoch: int, params: SamplingParams) -> SessionRun:
@@ -129,7 +149,7 @@ class Sessions:
                     return
                 if run.error is not None and run.finish_reason is None:
                     if isinstance(run.error, LostSession):
-                        run = await self.open(request)  # another coordinator has it: follow
+                        run = await self._attach(session_id)  # another coordinator has it
                         continue
                     if isinstance(run.error, asyncio.CancelledError):
                         raise Unavailable("the coordinator is shutting down; resume elsewhere")
@@ -149,7 +169,7 @@ class Sessions:
                 yield Update(session_id, offset, [], record.tail, reason, record.stats)
                 return
             if not record.owner:
-                run = await self.open(request)
+                run = await self._attach(session_id)
                 continue
             await asyncio.sleep(0.02)
 
@@ -168,6 +188,7 @@ class Sessions:
             try:
                 if not await self.ctx.store.renew(session_id, self.ctx.owner, run.epoch):
                     log.warning("lease of %s lost; stopping its loop", session_id)
+                    run.error = LostSession(f"lease of session {session_id} lost")
                     task.cancel()
             except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next period
                 log.warning("lease renewal failed: %s", exc)

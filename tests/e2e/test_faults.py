@@ -110,6 +110,37 @@ def test_target_worker_dies(stack2):
     assert last.stats.target_failovers >= 1
 
 
+def test_a_coordinator_paused_past_its_lease_stops_and_follows(stack2):
+    """SIGSTOP the owner past its lease: the other coordinator takes over and finishes; after
+    SIGCONT the old owner stops touching the session and its own stream follows the new
+    owner's commits to the end — no hang, no busy loop, no second generation."""
+    expected = reference(stack2)
+    first = stack2.child("coordinator")
+    resumed = {}
+
+    def pause_and_resume_elsewhere():
+        first.signal(signal.SIGSTOP)
+        try:
+            with Client(f"127.0.0.1:{stack2.second_port}", timeout_s=60) as other:
+                resumed["result"] = other.generate(
+                    "def add(a, b):", max_new_tokens=N, ignore_eos=True, session_id="paused-owner"
+                )
+        finally:
+            first.signal(signal.SIGCONT)
+
+    started = time.monotonic()
+    tokens, _ = stream_and_kill(
+        stack2, pause_and_resume_elsewhere, addresses=[stack2.address], session_id="paused-owner"
+    )
+    assert list(resumed["result"].token_ids) == expected
+    assert resumed["result"].stats.takeovers >= 1  # the owner was stopped mid-session
+    assert tokens == expected  # the old owner's stream: every token once, all committed
+    assert time.monotonic() - started < 60
+    with Client(stack2.address, timeout_s=30) as client:  # and the old owner still serves
+        again = client.generate("def add(a, b):", max_new_tokens=8, ignore_eos=True)
+    assert list(again.token_ids) == expected[:8]
+
+
 def test_coordinator_dies_and_another_resumes(stack2):
     expected = reference(stack2, temperature=0.7, seed=5, num_speculative_tokens=3)
     first = stack2.child("coordinator")
