@@ -6,13 +6,12 @@ import argparse
 import asyncio
 import logging
 
-import redis.asyncio as aioredis
-
 from coordinator.service import CoordinatorService
 from coordinator.settings import CoordinatorSettings
 from specdec.catalog import resolve_dir
 from specdec.serving import telemetry
 from specdec.serving.redis_embedded import EmbeddedRedis
+from specdec.serving.registry import redis_client
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
 from specdec.serving.settings import add_flags, from_args
 from specdec.text.tokenizer import load_tokenizer
@@ -29,7 +28,7 @@ async def main_async(settings: CoordinatorSettings) -> None:
         embedded = EmbeddedRedis().start()
         redis_url = embedded.url
         log.info("embedded redis-server on %s", redis_url)
-    redis = aioredis.from_url(redis_url)
+    redis = redis_client(redis_url, settings.redis_timeout_s)
     telemetry.setup("specdec-coordinator", settings.metrics_port, settings.host)
     service = CoordinatorService(settings, load_tokenizer(resolve_dir(settings.tokenizer)), redis)
     server = Server(["specdec.v1.Coordinator"], settings.max_message_mb)
@@ -64,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specdec coordinator", description=__doc__)
     add_flags(parser, CoordinatorSettings)
     settings = from_args(CoordinatorSettings, parser.parse_args(argv))
+    if not 0 < settings.redis_timeout_s < settings.lease_s:
+        parser.error("--redis-timeout-s must be positive and below --lease-s")
     setup_logging(settings.log_level)
     asyncio.run(main_async(settings))
 

@@ -14,6 +14,14 @@ import redis.asyncio as aioredis
 log = logging.getLogger(__name__)
 
 PREFIX = "specdec:worker:"
+# Every Redis command (and connecting) gives up after this long, well below the 3 s session
+# lease: a stalled Redis surfaces as UNAVAILABLE within a second instead of blocking a loop
+# for redis-py's default of about a minute.
+REDIS_TIMEOUT_S = 1.0
+
+
+def redis_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> aioredis.Redis:
+    return aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 
 def worker_key(role: str, address: str) -> str:
@@ -31,7 +39,7 @@ class Registration:
         describe: Callable[[], dict],
         heartbeat_s: float,
     ):
-        self.redis = aioredis.from_url(redis_url)
+        self.redis = redis_client(redis_url)
         self.key = worker_key(role, address)
         self.describe = describe
         self.heartbeat_s = heartbeat_s

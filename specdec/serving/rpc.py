@@ -15,6 +15,7 @@ import logging
 import uuid
 
 import grpc
+import redis.exceptions
 
 from specdec import errors
 from specdec.serving import telemetry
@@ -31,14 +32,34 @@ STATUS = {
 }
 
 
+# Redis failures a retry can outlive (connection refused or reset, a timeout, a replica that
+# is loading, a cluster failing over); the message never carries Redis's host or port.
+REDIS_TROUBLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+)
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and client-safe message for an exception raised in a handler."""
     for cls, code in STATUS.items():
         if isinstance(exc, cls):
             return code, str(exc)
+    request_id = uuid.uuid4().hex[:16]
+    if isinstance(exc, REDIS_TROUBLE):  # the store is down, slow or failing over: retry
+        log.warning(
+            "session store unavailable, request id %s: %s: %s", request_id, type(exc).__name__, exc
+        )
+        return (
+            grpc.StatusCode.UNAVAILABLE,
+            f"the session store is unavailable; retry (request id {request_id})",
+        )
     if isinstance(exc, asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
-    request_id = uuid.uuid4().hex[:16]
     log.error("internal error, request id %s", request_id, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
 

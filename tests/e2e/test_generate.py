@@ -369,3 +369,26 @@ def test_async_client_equals_sync_client(stack):
     assert (
         whole.text == expected.text and whole.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
     )
+
+
+def test_a_paused_redis_is_unavailable_quickly_then_recovers(stack, stub):
+    """SIGSTOP the real redis-server: a request is UNAVAILABLE (which clients retry) within
+    about --redis-timeout-s, not a minute-long hang or INTERNAL; after SIGCONT it serves."""
+    import signal
+    import time
+
+    expected = list(stub.Generate(request(max_new_tokens=8), timeout=60).token_ids)
+    redis_process = stack.redis.process
+    redis_process.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(request(max_new_tokens=8, session_id="during-pause"), timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        redis_process.send_signal(signal.SIGCONT)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    assert "session store is unavailable" in err.value.details()
+    assert "127.0.0.1" not in err.value.details()
+    assert elapsed < 5
+    assert list(stub.Generate(request(max_new_tokens=8), timeout=60).token_ids) == expected

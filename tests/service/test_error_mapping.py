@@ -9,6 +9,7 @@ import logging
 
 import grpc
 import pytest
+import redis.exceptions
 
 from specdec.errors import Exhausted, InvalidArgument, NotFound, StaleBase, Unavailable
 from specdec.serving.rpc import rpc
@@ -27,6 +28,9 @@ RAISE = {
     "bug": RuntimeError(SECRET),
     "value": ValueError(SECRET),  # a plain ValueError is a bug of ours, not the caller's input
     "key": KeyError(SECRET),
+    "redis-down": redis.exceptions.ConnectionError(f"Error 111 connecting to {SECRET}"),
+    "redis-slow": redis.exceptions.TimeoutError(f"Timeout reading from {SECRET}"),
+    "redis-loading": redis.exceptions.BusyLoadingError(SECRET),
 }
 
 
@@ -105,6 +109,19 @@ def test_unexpected_errors_are_internal_and_leak_nothing(kind, caplog):
     for request_id in ids:  # the operator finds the details under the id the client saw
         assert request_id in logged
     assert SECRET in logged
+
+
+@pytest.mark.parametrize("kind", ["redis-down", "redis-slow", "redis-loading"])
+def test_redis_trouble_is_unavailable_and_leaks_nothing(kind, caplog):
+    """The client retries UNAVAILABLE (and resumes); Redis's address stays in the log."""
+    caplog.set_level(logging.WARNING, logger="specdec.serving.rpc")
+    unary, stream, _, _ = asyncio.run(call_all(kind))
+    for err in (unary, stream):
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.details().startswith("the session store is unavailable; retry (request id ")
+        for secret_part in ("10.1.2.3", "6379", "/srv", "secret"):
+            assert secret_part not in err.details()
+    assert SECRET in "\n".join(r.getMessage() for r in caplog.records)
 
 
 def test_a_deadline_is_deadline_exceeded_without_details():
