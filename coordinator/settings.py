@@ -59,7 +59,11 @@ class CoordinatorSettings:
     lease_s: float = opt(
         3.0, "session lease TTL; another coordinator may take over after it expires"
     )
-    session_ttl_s: int = opt(3600, "how long a finished session stays readable in Redis")
+    session_ttl_s: int = opt(
+        3600,
+        "a session's keys expire this long after its last commit, lease renewal or takeover: "
+        "a finished session stays readable this long, an abandoned running one goes away",
+    )
     worker_timeout_s: float = opt(
         30.0, "deadline of a Verify call and of finding another target worker"
     )

@@ -11,6 +11,10 @@ id the Redis Cluster hash tag: every key of a session is in one slot, as scripts
                       what the end of the stream released after the last token)
   <p>:lease    string owner coordinator id, with a TTL renewed while it runs
   <p>:cancel   string set by CancelSession
+Every key of a session expires `--session-ttl-s` after its last create, commit, lease renewal
+or takeover: a running session lives as long as an owner keeps it, one whose coordinator
+crashed and that no client resumes goes away after the TTL, and a finished one stays readable
+for the TTL.
 Creation and every commit are one Lua script each: a commit checks the lease owner, the epoch
 and the expected version, appends tokens and their text and bumps the version atomically
 (docs/architecture.md, invariant 4: commit before stream).
@@ -26,10 +30,12 @@ import redis.asyncio as aioredis
 
 PREFIX = "specdec:session:"
 
-# KEYS: hash, lease. ARGV: owner, lease ms, then field/value pairs. 1 = created, 0 = exists.
+# KEYS: hash, lease. ARGV: owner, lease ms, ttl s, then field/value pairs. 1 = created,
+# 0 = exists.
 CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 return 1
 """
@@ -48,42 +54,50 @@ if n > 0 then
   redis.call('RPUSH', KEYS[5], unpack(ARGV, 9 + n, 8 + 2 * n))
 end
 redis.call('HSET', KEYS[1], 'version', version + n, 'stats', ARGV[5], 'updated', ARGV[6])
+local ttl = tonumber(ARGV[7])
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('EXPIRE', KEYS[5], ttl)
 local reason = ARGV[4]
 if reason == '' and redis.call('EXISTS', KEYS[4]) == 1 then reason = 'CANCELLED' end
 if reason ~= '' then
   redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', reason, 'tail', ARGV[8])
-  local ttl = tonumber(ARGV[7])
-  redis.call('EXPIRE', KEYS[1], ttl)
-  redis.call('EXPIRE', KEYS[2], ttl)
-  redis.call('EXPIRE', KEYS[5], ttl)
   redis.call('DEL', KEYS[3])
 end
 return {version + n, reason}
 """
 
-# KEYS: lease, hash. ARGV: owner, lease ms, epoch. 1 = kept (or taken back), 2 = finished,
-# 0 = another coordinator may own the session.
+# KEYS: lease, hash, tokens, text. ARGV: owner, lease ms, epoch, ttl s. 1 = kept (or taken
+# back; the session's keys then live another ttl), 2 = finished, 0 = another coordinator may
+# own the session.
 RENEW = """
+local kept = false
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-if redis.call('HGET', KEYS[2], 'status') == 'finished' then return 2 end
-if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', KEYS[2], 'epoch') == ARGV[3]
+  kept = true
+elseif redis.call('HGET', KEYS[2], 'status') == 'finished' then
+  return 2
+elseif redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', KEYS[2], 'epoch') == ARGV[3]
     and redis.call('HGET', KEYS[2], 'status') == 'running' then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
+  kept = true
 end
-return 0
+if not kept then return 0 end
+for i = 2, 4 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+return 1
 """
 
-# KEYS: hash, lease. ARGV: owner, lease ms, now. The new epoch; -1 while the lease is held or
-# when there is no running session to take (finished, expired or never created).
+# KEYS: hash, lease, tokens, text. ARGV: owner, lease ms, now, ttl s. The new epoch; -1
+# while the lease is held or when there is no running session to take (finished, expired or
+# never created).
 TAKE = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return -1 end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
   redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'updated', ARGV[3])
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  redis.call('EXPIRE', KEYS[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[4], ARGV[4])
   return epoch
 end
 return -1
@@ -168,7 +182,7 @@ class SessionStore:
             "tail": "",
             "updated": now,
         }
-        args = [owner, self.lease_ms, *[x for kv in fields.items() for x in kv]]
+        args = [owner, self.lease_ms, self.ttl_s, *[x for kv in fields.items() for x in kv]]
         return bool(await self._create(keys=[k.hash, k.lease], args=args))
 
     async def load(self, session_id: str) -> SessionRecord | None:
@@ -204,7 +218,10 @@ class SessionStore:
         """Acquire an expired (or released) lease; returns the new epoch, None while it is still
         held or when no running session has this id (then there is nothing to take over)."""
         k = Keys.of(session_id)
-        epoch = await self._take(keys=[k.hash, k.lease], args=[owner, self.lease_ms, time.time()])
+        epoch = await self._take(
+            keys=[k.hash, k.lease, k.tokens, k.text],
+            args=[owner, self.lease_ms, time.time(), self.ttl_s],
+        )
         return None if epoch == -1 else int(epoch)
 
     async def renew(self, session_id: str, owner: str, epoch: int) -> bool:
@@ -215,7 +232,12 @@ class SessionStore:
         landed (the commit deleted the lease) counts as kept: its loop is about to end.
         """
         k = Keys.of(session_id)
-        return bool(await self._renew(keys=[k.lease, k.hash], args=[owner, self.lease_ms, epoch]))
+        return bool(
+            await self._renew(
+                keys=[k.lease, k.hash, k.tokens, k.text],
+                args=[owner, self.lease_ms, epoch, self.ttl_s],
+            )
+        )
 
     async def reassign(self, session_id: str, owner: str, draft: str, target: str) -> int:
         """Record new workers and bump the epoch (workers then refuse the old epoch)."""

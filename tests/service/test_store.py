@@ -74,7 +74,7 @@ def started(url, sid):
 
 def test_create_writes_the_hash_and_the_lease(url, db, sid):
     """create returns True, writes every field (version = prompt length, gamma '' for None)
-    and a lease holding the owner that expires within the lease time; no lists, no TTLs."""
+    a lease holding the owner that expires within the lease time, and the session TTL; no lists."""
     before = time.time()
     assert call(url, "create", record(sid), "c1") is True
     k = Keys.of(sid)
@@ -95,7 +95,7 @@ def test_create_writes_the_hash_and_the_lease(url, db, sid):
         "tail": "",
     }
     assert db.get(k.lease) == "c1" and 0 < db.pttl(k.lease) <= LEASE_MS
-    assert db.ttl(k.hash) == -1 and not db.exists(k.tokens, k.text, k.cancel)
+    assert 0 < db.ttl(k.hash) <= TTL_S and not db.exists(k.tokens, k.text, k.cancel)
 
 
 def test_create_refuses_an_existing_id(url, db, sid):
@@ -120,7 +120,8 @@ def test_load_round_trips_a_created_record(url, sid, gamma):
 
 def test_commit_appends_tokens_texts_and_stats(url, db, sid):
     """Commits append tokens and their texts, bump the version by n, store the stats JSON,
-    keep the session running with its lease and no TTL; zero tokens only update stats."""
+    keep the session running with its lease and the session TTL refreshed on every key; zero
+    tokens only update stats."""
     started(url, sid)
     k = Keys.of(sid)
     assert call(url, "commit", sid, "c1", 4, 0, [8, 9], ["llo", " wö"], {"rounds": 2}) == (6, "")
@@ -129,7 +130,8 @@ def test_commit_appends_tokens_texts_and_stats(url, db, sid):
     assert db.lrange(k.text, 0, -1) == ["he", "llo", " wö"]
     h = db.hgetall(k.hash)
     assert (h["version"], h["stats"], h["status"]) == ("6", '{"rounds": 3}', "running")
-    assert db.get(k.lease) == "c1" and [db.ttl(k.hash), db.ttl(k.tokens)] == [-1, -1]
+    assert db.get(k.lease) == "c1"
+    assert all(0 < db.ttl(key) <= TTL_S for key in (k.hash, k.tokens, k.text))
 
 
 @pytest.mark.parametrize("reason", ["EOS", "LENGTH"])
@@ -215,7 +217,8 @@ def test_renew_counts_a_finished_session_as_kept(url, db, sid):
     started(url, sid)
     call(url, "commit", sid, "c1", 4, 0, [], [], {}, "EOS")
     k = Keys.of(sid)
-    assert call(url, "_renew", keys=[k.lease, k.hash], args=["c1", LEASE_MS, 0]) == 2
+    keys = [k.lease, k.hash, k.tokens, k.text]
+    assert call(url, "_renew", keys=keys, args=["c1", LEASE_MS, 0, TTL_S]) == 2
     assert call(url, "renew", sid, "c1", 0) is True
     assert not db.exists(k.lease)
 
@@ -340,3 +343,32 @@ def test_an_id_cannot_reach_another_sessions_keys(url, db, sid):
     k = Keys.of(sid)
     tags = {key[key.index("{") : key.index("}") + 1] for key in vars(k).values()}
     assert tags == {"{" + sid + "}"}
+
+
+def test_a_running_session_lives_while_renewed_and_expires_when_abandoned(url, db):
+    """Every key of a running session carries the session TTL, refreshed by each commit,
+    renewal and takeover; a session whose owner stops renewing (a crashed coordinator) and
+    that nobody resumes is gone after the TTL instead of "running" forever."""
+
+    async def scenario(sid: str, keep_renewing: bool):
+        r = aioredis.from_url(url)
+        store = SessionStore(r, lease_s=0.5, ttl_s=2)
+        try:
+            await store.create(record(sid), "c1")
+            await store.commit(sid, "c1", 3, 0, [7], ["he"], {})
+            for _ in range(6):  # 3 s, past the 2 s TTL
+                await asyncio.sleep(0.5)
+                if keep_renewing:
+                    assert await store.renew(sid, "c1", 0)
+            return await store.load(sid)
+        finally:
+            await r.aclose()
+
+    alive = asyncio.run(scenario(f"kept-{uuid.uuid4().hex}", keep_renewing=True))
+    assert alive is not None and alive.generated == [7] and alive.status == "running"
+    k = Keys.of(alive.session_id)
+    assert all(0 < db.ttl(key) <= 2 for key in (k.hash, k.tokens, k.text))
+    abandoned_id = f"abandoned-{uuid.uuid4().hex}"
+    assert asyncio.run(scenario(abandoned_id, keep_renewing=False)) is None
+    k = Keys.of(abandoned_id)
+    assert not db.exists(k.hash, k.tokens, k.text, k.lease)
