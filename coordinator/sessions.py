@@ -181,17 +181,25 @@ class Sessions:
     # --- leases -----------------------------------------------------------------------
 
     async def renew_leases(self) -> None:
-        """Extend the lease of every running session; stop the loops whose lease is lost."""
-        for session_id, (run, task) in list(self.runs.items()):
-            if run.finish_reason is not None:
-                continue  # finished: the commit released the lease
-            try:
-                if not await self.ctx.store.renew(session_id, self.ctx.owner, run.epoch):
-                    log.warning("lease of %s lost; stopping its loop", session_id)
-                    run.error = LostSession(f"lease of session {session_id} lost")
-                    task.cancel()
-            except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next period
-                log.warning("lease renewal failed: %s", exc)
+        """Extend the leases of every running session in one pipeline; stop the loops whose
+        lease is lost (a paused coordinator whose sessions were taken over)."""
+        running = [
+            (session_id, run, task)
+            for session_id, (run, task) in list(self.runs.items())
+            if run.finish_reason is None  # finished: the commit released the lease
+        ]
+        try:
+            kept = await self.ctx.store.renew_all(
+                self.ctx.owner, [(session_id, run.epoch) for session_id, run, _ in running]
+            )
+        except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again next period
+            log.warning("lease renewal failed: %s: %s", type(exc).__name__, exc)
+            return
+        for (session_id, run, task), ok in zip(running, kept):
+            if not ok:
+                log.warning("lease of %s lost; stopping its loop", session_id)
+                run.error = LostSession(f"lease of session {session_id} lost")
+                task.cancel()
 
     def stop(self) -> None:
         for _, task in list(self.runs.values()):

@@ -372,3 +372,19 @@ def test_a_running_session_lives_while_renewed_and_expires_when_abandoned(url, d
     assert asyncio.run(scenario(abandoned_id, keep_renewing=False)) is None
     k = Keys.of(abandoned_id)
     assert not db.exists(k.hash, k.tokens, k.text, k.lease)
+
+
+def test_renew_all_renews_many_sessions_in_one_pipeline(url, db):
+    """One call for every session of a coordinator: each gets its own answer, exactly as
+    `renew` would give it (kept, finished-is-kept, taken over by another)."""
+    ids = [f"many-{i}-{uuid.uuid4().hex}" for i in range(3)]
+    for sid in ids:
+        started(url, sid)
+    call(url, "commit", ids[1], "c1", 4, 0, [], [], {}, "EOS")  # finished: counts as kept
+    db.set(Keys.of(ids[2]).lease, "c2")  # another coordinator holds it now
+    for sid in ids:
+        db.pexpire(Keys.of(sid).lease, 1000)
+    assert call(url, "renew_all", "c1", [(sid, 0) for sid in ids]) == [True, True, False]
+    assert 1000 < db.pttl(Keys.of(ids[0]).lease) <= LEASE_MS
+    assert db.get(Keys.of(ids[2]).lease) == "c2"
+    assert call(url, "renew_all", "c1", []) == []
