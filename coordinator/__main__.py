@@ -28,7 +28,7 @@ async def main_async(settings: CoordinatorSettings) -> None:
         embedded = EmbeddedRedis().start()
         redis_url = embedded.url
         log.info("embedded redis-server on %s", redis_url)
-    redis = redis_client(redis_url, settings.redis_timeout_s)
+    redis = redis_client(redis_url, min(settings.redis_timeout_s, settings.lease_s / 2))
     telemetry.setup("specdec-coordinator", settings.metrics_port, settings.host)
     service = CoordinatorService(settings, load_tokenizer(resolve_dir(settings.tokenizer)), redis)
     server = Server(["specdec.v1.Coordinator"], settings.max_message_mb)
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specdec coordinator", description=__doc__)
     add_flags(parser, CoordinatorSettings)
     settings = from_args(CoordinatorSettings, parser.parse_args(argv))
-    if not 0 < settings.redis_timeout_s < settings.lease_s:
-        parser.error("--redis-timeout-s must be positive and below --lease-s")
+    if not settings.redis_timeout_s > 0:
+        parser.error("--redis-timeout-s must be positive")
     setup_logging(settings.log_level)
     asyncio.run(main_async(settings))
 

@@ -17,8 +17,8 @@ class CoordinatorSettings:
     port: int = opt(50051, "gRPC port of the public API (0 = pick a free one)")
     redis_timeout_s: float = opt(
         1.0,
-        "each Redis command and connect gives up after this long (below --lease-s); a failed "
-        "one is UNAVAILABLE to the client, which resumes",
+        "each Redis command and connect gives up after this long (at most half of --lease-s); "
+        "a failed one is UNAVAILABLE to the client, which resumes",
     )
     redis_url: str = opt(
         "", "Redis for sessions and the worker registry (empty = embedded redis-server)"
