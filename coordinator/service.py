@@ -129,7 +129,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     chunk.stats.CopyFrom(stats_to_proto(update.stats))
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
-            if not finished:  # the client went away (cancel, deadline, disconnect): stop it
+            # the client went away (cancel, deadline, disconnect): stop the session, unless
+            # another stream on this coordinator still follows it
+            if not finished and self.attached.get(request.session_id, 1) <= 1:
                 self.sessions.cancel_local(session_id)
             raise
         finally:

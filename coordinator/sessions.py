@@ -21,7 +21,7 @@ from coordinator.context import RunContext
 from coordinator.run import SessionRun
 from coordinator.store import LostSession, SessionRecord
 from specdec.core.params import SamplingParams
-from specdec.errors import Exhausted, NotFound, Unavailable
+from specdec.errors import Conflict, Exhausted, InvalidArgument, NotFound, OutOfRange, Unavailable
 from specdec.text.detok import FinishReason
 
 log = logging.getLogger(__name__)
@@ -55,9 +55,37 @@ class Sessions:
         session_id = request.session_id
         if not session_id:
             return await self._create(request)
-        if session_id not in self.runs and await self.ctx.store.load(session_id) is None:
+        entry = self.runs.get(session_id)
+        record = entry[0].record if entry else await self.ctx.store.load(session_id)
+        if record is None:
+            if request.resume_from:
+                raise InvalidArgument(
+                    f"resume_from: session_id {session_id!r} does not exist (a new session "
+                    "starts at 0)"
+                )
             return await self._create(request)
+        await self._check_reattach(request, record)
         return await self._attach(session_id)
+
+    async def _check_reattach(self, request, record: SessionRecord) -> None:
+        """A request naming an existing session either only reattaches (no prompt) or repeats
+        the session's request exactly: never silently the old session for a new request."""
+        has_prompt = request.prompt or request.prompt_token_ids or request.messages
+        if has_prompt:
+            targets = self.ctx.targets
+            max_context = min((w.info.max_context for w in targets.alive()), default=1 << 30)
+            admission = await admit(request, self.ctx.settings, self.encoder, max_context)
+            same_sampling = {
+                k: v for k, v in admission.params.to_dict().items() if k != "seed"
+            } == {k: v for k, v in record.sampling.items() if k != "seed"}
+            if admission.prompt != record.prompt or not same_sampling:
+                raise Conflict(
+                    f"session_id {record.session_id!r} exists with another prompt or sampling "
+                    "parameters; use a new session_id, or send only session_id and resume_from "
+                    "to reattach"
+                )
+            if admission.params.seed is not None and admission.params.seed != record.seed:
+                raise Conflict(f"session_id {record.session_id!r} exists with another seed")
 
     async def _attach(self, session_id: str) -> SessionRun | None:
         """An existing session: this coordinator's live run, a takeover when its owner's lease
@@ -133,8 +161,20 @@ class Sessions:
     async def follow(self, request) -> AsyncIterator[Update]:
         """Committed tokens of a session from `request.resume_from`; take over if orphaned."""
         offset = request.resume_from
+        if offset and not request.session_id:
+            raise InvalidArgument("resume_from needs the session_id of an existing session")
         run = await self.open(request)
         session_id = run.session_id if run else request.session_id
+        if run is not None:
+            committed = len(run.generated)
+        else:
+            record = await self.ctx.store.load(session_id)
+            committed = len(record.generated) if record is not None else 0
+        if offset > committed:
+            raise OutOfRange(
+                f"resume_from {offset} is beyond the {committed} tokens session "
+                f"{session_id!r} has generated"
+            )
         while True:
             if run is not None:
                 if len(run.generated) > offset:

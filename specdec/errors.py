@@ -21,6 +21,16 @@ class StaleBase(SpecdecError):
     """The worker's cached prefix does not match the request's base (FAILED_PRECONDITION)."""
 
 
+class Conflict(SpecdecError):
+    """The request contradicts what already exists, e.g. a reused session id with another
+    prompt (FAILED_PRECONDITION)."""
+
+
+class OutOfRange(SpecdecError):
+    """An offset past what exists, e.g. resume_from beyond the generated tokens
+    (OUT_OF_RANGE)."""
+
+
 class NotFound(SpecdecError):
     """The named session does not exist (NOT_FOUND)."""
 

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 STATUS = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.StaleBase: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Conflict: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.Exhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,

@@ -392,3 +392,42 @@ def test_a_paused_redis_is_unavailable_quickly_then_recovers(stack, stub):
     assert "127.0.0.1" not in err.value.details()
     assert elapsed < 5
     assert list(stub.Generate(request(max_new_tokens=8), timeout=60).token_ids) == expected
+
+
+def test_reattach_must_repeat_the_request_or_only_name_the_session(stub):
+    """A reused session_id with another prompt or sampling is FAILED_PRECONDITION, never the
+    old session's tokens for a new request; session_id + resume_from alone reattaches."""
+    first = stub.Generate(request(max_new_tokens=8, session_id="reattach-1"), timeout=60)
+    for changed in (dict(prompt="class B:"), dict(temperature=0.5, seed=1)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(request(max_new_tokens=8, session_id="reattach-1", **changed), timeout=30)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "session_id 'reattach-1' exists with another prompt" in err.value.details()
+    only_id = coordinator_pb2.GenerateRequest(session_id="reattach-1", resume_from=3)
+    resumed = stub.Generate(only_id, timeout=30)
+    assert list(resumed.token_ids) == list(first.token_ids)[3:]
+    beyond = coordinator_pb2.GenerateRequest(session_id="reattach-1", resume_from=9)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(beyond, timeout=30)
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "resume_from 9 is beyond the 8 tokens" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        fresh = request(session_id="never-created-1")
+        fresh.resume_from = 2
+        stub.Generate(fresh, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "resume_from: session_id 'never-created-1' does not exist" in err.value.details()
+
+
+def test_one_of_two_streams_leaving_does_not_cancel_the_session(stub):
+    req = request(max_new_tokens=300, session_id="two-streams")
+    leaving = stub.GenerateStream(req, timeout=60)
+    next(leaving)
+    staying = stub.GenerateStream(
+        coordinator_pb2.GenerateRequest(session_id="two-streams"), timeout=60
+    )
+    first = next(staying)
+    leaving.cancel()
+    chunks = [first, *staying]
+    assert chunks[-1].finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+    assert sum(len(c.token_ids) for c in chunks) == 300
