@@ -52,6 +52,7 @@ async def main_async(settings: CoordinatorSettings) -> None:
                 if not ready:
                     await service.refresh_workers()
     finally:
+        service.draining = True  # streams cut by the grace period hand their sessions over
         await server.drain_and_stop(settings.grace_s)
         await service.stop()
         await redis.aclose()

@@ -59,6 +59,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             ),
         )
         self.sessions = Sessions(self.ctx)
+        self.draining = False  # SIGTERM: ending streams hand sessions over, never cancel them
         self.streams = 0  # Generate and GenerateStream calls being served
         self.attached: dict[str, int] = {}  # session id → its streams (ids sent by clients)
         self._tasks: set[asyncio.Task] = set()
@@ -91,7 +92,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        self.sessions.stop()
+        await self.sessions.stop()
         await self.ctx.drafts.close()
         await self.ctx.targets.close()
 
@@ -131,7 +132,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except (asyncio.CancelledError, GeneratorExit):
             # the client went away (cancel, deadline, disconnect): stop the session, unless
             # another stream on this coordinator still follows it
-            if not finished and self.attached.get(request.session_id, 1) <= 1:
+            alone = self.attached.get(request.session_id, 1) <= 1
+            if not finished and alone and not self.draining:
                 self.sessions.cancel_local(session_id)
             raise
         finally:

@@ -241,6 +241,16 @@ class Sessions:
                 run.error = LostSession(f"lease of session {session_id} lost")
                 task.cancel()
 
-    def stop(self) -> None:
-        for _, task in list(self.runs.values()):
+    async def stop(self) -> None:
+        """Stop every loop (each releases its workers), then give up their leases so another
+        coordinator takes the sessions over at once instead of after the lease time: a
+        rolling update hands sessions over; it never ends them."""
+        entries = list(self.runs.items())
+        for _, (_, task) in entries:
             task.cancel()
+        await asyncio.gather(*(task for _, (_, task) in entries), return_exceptions=True)
+        running = [sid for sid, (run, _) in entries if run.finish_reason is None]
+        try:
+            await self.ctx.store.release_all(self.ctx.owner, running)
+        except Exception as exc:  # noqa: BLE001 - Redis down: the leases expire by themselves
+            log.warning("could not release leases: %s: %s", type(exc).__name__, exc)

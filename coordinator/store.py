@@ -103,6 +103,12 @@ end
 return -1
 """
 
+# KEYS: lease. ARGV: owner. 1 = our lease deleted (the session may be taken over now).
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # KEYS: hash, lease. ARGV: owner, draft, target. The new epoch, or -1 when the lease is not ours.
 BUMP = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
@@ -162,6 +168,7 @@ class SessionStore:
         self._renew = redis.register_script(RENEW)
         self._take = redis.register_script(TAKE)
         self._bump = redis.register_script(BUMP)
+        self._release = redis.register_script(RELEASE)
 
     async def create(self, record: SessionRecord, owner: str) -> bool:
         """Create a new session owned by `owner`, atomically; False when the id exists."""
@@ -253,6 +260,15 @@ class SessionStore:
                     client=pipe,
                 )
             return [bool(result) for result in await pipe.execute()]
+
+    async def release_all(self, owner: str, session_ids: list[str]) -> int:
+        """Give up our leases of these sessions (shutdown); returns how many were ours."""
+        if not session_ids:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id in session_ids:
+                await self._release(keys=[Keys.of(session_id).lease], args=[owner], client=pipe)
+            return sum(int(r) for r in await pipe.execute())
 
     async def reassign(self, session_id: str, owner: str, draft: str, target: str) -> int:
         """Record new workers and bump the epoch (workers then refuse the old epoch)."""

@@ -44,18 +44,18 @@ def live_address(stack) -> str:
     return stack.address if first.alive() else f"127.0.0.1:{stack.second_port}"
 
 
-def reference(stack, **kwargs) -> list[int]:
+def reference(stack, n=N, **kwargs) -> list[int]:
     with Client(live_address(stack), timeout_s=120) as client:
         return list(
-            client.generate("def add(a, b):", max_new_tokens=N, ignore_eos=True, **kwargs).token_ids
+            client.generate("def add(a, b):", max_new_tokens=n, ignore_eos=True, **kwargs).token_ids
         )
 
 
-def stream_and_kill(stack, kill, addresses=None, after_tokens=20, **kwargs):
+def stream_and_kill(stack, kill, addresses=None, after_tokens=20, n=N, **kwargs):
     """Stream a session; once `after_tokens` arrived, call kill(); return (tokens, last chunk)."""
     tokens, last, killed = [], None, False
     with Client(addresses or [live_address(stack)], timeout_s=180, backoff_s=0.3) as client:
-        for chunk in client.stream("def add(a, b):", max_new_tokens=N, ignore_eos=True, **kwargs):
+        for chunk in client.stream("def add(a, b):", max_new_tokens=n, ignore_eos=True, **kwargs):
             assert chunk.offset == len(tokens), "a token was lost or repeated"
             tokens += list(chunk.token_ids)
             last = chunk
@@ -198,3 +198,31 @@ def test_draft_worker_dies(stack2):
     channel.close()
     for child in stack2.children:
         child.signal(signal.SIGCONT)  # let the stalled one shut down with the stack
+
+
+def test_sigterm_hands_sessions_over(stack2):
+    """A rolling update: SIGTERM on a coordinator (0.2 s grace) mid-session. The session is
+    not committed as CANCELLED (a draining coordinator never cancels for a cut stream); its
+    lease is given up on the way out, the client resumes on the other coordinator, which takes
+    it over, and the text equals an uninterrupted run. (Before the draining flag this also
+    passed here: the loop was cancelled before it could commit CANCELLED; the flag closes
+    that race rather than a failure this test can force.)"""
+    port = free_port()
+    leaving = stack2.add_coordinator(port, name="coordinator-rolling", extra=["--grace-s", "0.2"])
+    survivor = f"127.0.0.1:{stack2.second_port}"
+    expected = reference(stack2, n=480)  # greedy: the drafts may be gone (earlier tests)
+    started = time.monotonic()
+    tokens, last = stream_and_kill(
+        stack2,
+        lambda: leaving.signal(signal.SIGTERM),
+        addresses=[f"127.0.0.1:{port}", survivor],
+        after_tokens=10,
+        n=480,
+        session_id="rolling-update",
+    )
+    assert last.stats.takeovers >= 1  # the survivor finished it: it was handed over
+    assert tokens == expected
+    assert last.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH  # not CANCELLED
+    assert time.monotonic() - started < 60
+    leaving.process.wait(timeout=30)
+    assert leaving.process.returncode == 0
