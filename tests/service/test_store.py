@@ -388,3 +388,14 @@ def test_renew_all_renews_many_sessions_in_one_pipeline(url, db):
     assert 1000 < db.pttl(Keys.of(ids[0]).lease) <= LEASE_MS
     assert db.get(Keys.of(ids[2]).lease) == "c2"
     assert call(url, "renew_all", "c1", []) == []
+
+
+def test_release_all_gives_up_only_our_leases(url, db):
+    ours, theirs = f"rel-ours-{uuid.uuid4().hex}", f"rel-theirs-{uuid.uuid4().hex}"
+    started(url, ours)
+    started(url, theirs)
+    db.set(Keys.of(theirs).lease, "c2")
+    assert call(url, "release_all", "c1", [ours, theirs]) == 1
+    assert not db.exists(Keys.of(ours).lease) and db.get(Keys.of(theirs).lease) == "c2"
+    assert call(url, "take_over", ours, "c3") == 1  # at once, not after the lease time
+    assert call(url, "release_all", "c1", []) == 0
