@@ -40,9 +40,14 @@ def header(result: dict) -> list[str]:
         f"(= {threads['stack_target_worker'] + threads['stack_draft_worker']}). The coordinator, Redis "
         "and the benchmark client share the same cores and are not counted.",
         f"- Models: target `{meta['target_model']}`, draft `{meta['draft_model']}` (float32, CPU)",
-        f"- Prompts: {prompts['count']} held-out prompts of {prompts['prompt_tokens']} tokens "
-        f"(from {prompts['source']}); {meta['max_new_tokens']} new tokens each, EOS ignored, so every "
-        "contender generates the same number of tokens.",
+        f"- Prompts: {prompts['count']} held-out "
+        + (
+            "chat questions rendered with the target's chat template"
+            if prompts.get("chat_template")
+            else f"prompts of {prompts['prompt_tokens']} tokens"
+        )
+        + f" (from {prompts['source']}); {meta['max_new_tokens']} new tokens each, EOS ignored, "
+        "so every contender generates the same number of tokens.",
         "- Sampling: greedy; and temperature 0.8, top-p 0.95 (top-k off). "
         "HF assisted generation uses HF's default assistant settings "
         f"({meta['hf_assistant_defaults']}).",
