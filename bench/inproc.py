@@ -42,13 +42,13 @@ class ScatteredHead(torch.nn.Module):
 
 
 def load(model_dir: str):
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from specdec.engine.model import head_token_ids
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    head = os.path.join(model_dir, "head.safetensors")
-    if os.path.exists(head):
-        ids = load_file(head)["token_ids"].to(torch.int64)
+    ids = head_token_ids(model_dir, int(model.config.vocab_size))
+    if ids is not None:  # the same checked head the draft worker serves
         model.set_output_embeddings(ScatteredHead(model.get_output_embeddings(), ids))
     return model
 

@@ -67,14 +67,16 @@ class Sessions:
         await self._check_reattach(request, record)
         return await self._attach(session_id)
 
+    def _max_context(self) -> int:
+        """The smallest context window of the live target workers (admission's bound)."""
+        return min((w.info.max_context for w in self.ctx.targets.alive()), default=1 << 30)
+
     async def _check_reattach(self, request, record: SessionRecord) -> None:
         """A request naming an existing session either only reattaches (no prompt) or repeats
         the session's request exactly: never silently the old session for a new request."""
         has_prompt = request.prompt or request.prompt_token_ids or request.messages
         if has_prompt:
-            targets = self.ctx.targets
-            max_context = min((w.info.max_context for w in targets.alive()), default=1 << 30)
-            admission = await admit(request, self.ctx.settings, self.encoder, max_context)
+            admission = await admit(request, self.ctx.settings, self.encoder, self._max_context())
             same_sampling = {
                 k: v for k, v in admission.params.to_dict().items() if k != "seed"
             } == {k: v for k, v in record.sampling.items() if k != "seed"}
@@ -125,8 +127,7 @@ class Sessions:
 
     async def _create(self, request) -> SessionRun | None:
         targets = self.ctx.targets
-        max_context = min((w.info.max_context for w in targets.alive()), default=1 << 30)
-        admission = await admit(request, self.ctx.settings, self.encoder, max_context)
+        admission = await admit(request, self.ctx.settings, self.encoder, self._max_context())
         if not targets.alive():
             await targets.refresh()
             if not targets.alive():

@@ -177,9 +177,8 @@ class ModelRuntime:
 HEAD_FILE = "head.safetensors"
 
 
-def _restrict_head(model, model_dir: str, vocab_size: int) -> torch.Tensor | None:
-    """Replace the LM head by its rows for the tokens of `head.safetensors`, if present;
-    returns those token ids (on the model's device), or None for a full head."""
+def head_token_ids(model_dir: str, vocab_size: int) -> torch.Tensor | None:
+    """The checked token ids of a directory's `head.safetensors`, or None without one."""
     path = os.path.join(model_dir, HEAD_FILE)
     if not os.path.exists(path):
         return None
@@ -189,6 +188,15 @@ def _restrict_head(model, model_dir: str, vocab_size: int) -> torch.Tensor | Non
     ids = ids.to(torch.int64)
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or ids.unique().numel() != ids.numel():
         raise ValueError(f"model: {HEAD_FILE} token_ids must be distinct ids below {vocab_size}")
+    return ids
+
+
+def _restrict_head(model, model_dir: str, vocab_size: int) -> torch.Tensor | None:
+    """Replace the LM head by its rows for the tokens of `head.safetensors`, if present;
+    returns those token ids (on the model's device), or None for a full head."""
+    ids = head_token_ids(model_dir, vocab_size)
+    if ids is None:
+        return None
     full = model.get_output_embeddings()
     head = torch.nn.Linear(full.in_features, ids.numel(), bias=False)
     head = head.to(device=full.weight.device, dtype=full.weight.dtype)
