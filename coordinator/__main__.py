@@ -11,7 +11,8 @@ from coordinator.settings import CoordinatorSettings
 from specdec.catalog import resolve_dir
 from specdec.serving import telemetry
 from specdec.serving.redis_embedded import EmbeddedRedis
-from specdec.serving.registry import redis_client
+from specdec.serving.registry import redact, redis_client
+from specdec.serving.security import SecurityConfigError
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
 from specdec.serving.settings import add_flags, from_args
 from specdec.text.tokenizer import load_tokenizer
@@ -27,13 +28,17 @@ async def main_async(settings: CoordinatorSettings) -> None:
     if not redis_url:
         embedded = EmbeddedRedis().start()
         redis_url = embedded.url
-        log.info("embedded redis-server on %s", redis_url)
-    redis = redis_client(redis_url, min(settings.redis_timeout_s, settings.lease_s / 2))
+        log.info("embedded redis-server on %s", redact(redis_url))
+    redis = redis_client(
+        redis_url, min(settings.redis_timeout_s, settings.lease_s / 2), settings.redis_ca
+    )
     telemetry.setup("specdec-coordinator", settings.metrics_port, settings.host)
     service = CoordinatorService(settings, load_tokenizer(resolve_dir(settings.tokenizer)), redis)
-    server = Server(["specdec.v1.Coordinator"], settings.max_message_mb)
-    server.add(service, "specdec.v1.Coordinator")
-    port = server.bind(settings.host, settings.port)
+    server = Server(
+        ["specdec.v1.Coordinator"], settings.max_message_mb, reflection=settings.reflection
+    )
+    server.add(service, "specdec.v1.Coordinator", settings.api_keys())
+    port = server.bind(settings.host, settings.port, settings.public_tls())
     await server.start()
     await service.start()
     stop = asyncio.Event()
@@ -45,7 +50,10 @@ async def main_async(settings: CoordinatorSettings) -> None:
             await server.set_serving(ready)
             if ready and not announced:
                 announced = True
-                print(f"READY coordinator {settings.host}:{port} redis={redis_url}", flush=True)
+                print(
+                    f"READY coordinator {settings.host}:{port} redis={redact(redis_url)}",
+                    flush=True,
+                )
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except asyncio.TimeoutError:
@@ -60,12 +68,32 @@ async def main_async(settings: CoordinatorSettings) -> None:
             embedded.stop()
 
 
+def check_security(settings: CoordinatorSettings) -> None:
+    """Refuse, naming the flag, security settings that cannot work (before any work)."""
+    settings.validate_tls()
+    if settings.tls_client_ca and not settings.tls_cert:
+        raise SecurityConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    if bool(settings.worker_tls_cert) != bool(settings.worker_tls_key):
+        raise SecurityConfigError("--worker-tls-cert/--worker-tls-key: give both")
+    if settings.tls_ca and not (settings.worker_tls_cert or settings.tls_cert):
+        raise SecurityConfigError(
+            "--tls-ca (mTLS to the workers) needs a client certificate: --worker-tls-cert or "
+            "--tls-cert"
+        )
+    if settings.api_keys_file:
+        settings.api_keys()  # reads and parses it now: a bad file fails the start
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specdec coordinator", description=__doc__)
     add_flags(parser, CoordinatorSettings)
     settings = from_args(CoordinatorSettings, parser.parse_args(argv))
     if not settings.redis_timeout_s > 0:
         parser.error("--redis-timeout-s must be positive")
+    try:
+        check_security(settings)
+    except SecurityConfigError as exc:
+        parser.error(str(exc))
     setup_logging(settings.log_level)
     asyncio.run(main_async(settings))
 

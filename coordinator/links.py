@@ -21,7 +21,8 @@ from coordinator.context import RunContext
 from coordinator.pool import Worker
 from coordinator.stats import Stats
 from specdec.core.prefix import fingerprint
-from specdec.errors import Unavailable
+from specdec.errors import InvalidArgument, Unavailable
+from specdec.serving.wire import check_draft_dists, check_tokens
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,46 @@ FAILOVER_CODES = {
 # target-only, a verify waits (backing off) and moves to another target after a few tries;
 # neither marks the worker dead.
 BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+# A worker whose answer was inconsistent gets no session for this long (a failed one: 5 s).
+BAD_ANSWER_QUARANTINE_S = 300.0
+
+
+class BadAnswer(Exception):
+    """A worker's answer that cannot be right for what it was asked (never committed)."""
+
+
+def check_proposal(response: draft_pb2.ProposeResponse, gamma: int, vocab: int) -> None:
+    """Raise BadAnswer unless the draft sent at most γ candidates inside the vocabulary, each
+    with a valid q̃ that gives it positive probability."""
+    candidates = list(response.candidate_ids)
+    if len(candidates) > gamma:
+        raise BadAnswer(f"{len(candidates)} candidates for γ = {gamma}")
+    try:
+        check_tokens(candidates, vocab, "candidate_ids")
+        check_draft_dists(candidates, list(response.draft_dists), vocab)
+    except InvalidArgument as exc:
+        raise BadAnswer(str(exc)) from exc
+
+
+def check_verdict(
+    response: target_pb2.VerifyResponse, candidates: list[int], max_output: int, vocab: int
+) -> None:
+    """Raise BadAnswer unless the target's output is consistent with what it was asked: the
+    accepted prefix of the candidates (at most the budget allows) plus one token, inside the
+    vocabulary."""
+    accepted = response.num_accepted
+    offered = min(len(candidates), max_output - 1) if max_output else len(candidates)
+    output = list(response.output_ids)
+    if accepted > offered:
+        raise BadAnswer(f"num_accepted {accepted} of {offered} candidates")
+    if len(output) != accepted + 1:
+        raise BadAnswer(f"{len(output)} output tokens for {accepted} accepted (expected +1)")
+    if output[:accepted] != candidates[:accepted]:
+        raise BadAnswer("the accepted output tokens differ from the candidates")
+    try:
+        check_tokens(output, vocab, "output_ids")
+    except InvalidArgument as exc:
+        raise BadAnswer(str(exc)) from exc
 
 
 @dataclass
@@ -114,40 +155,59 @@ class SessionLinks:
         )
         return worker is not None
 
-    def _failed(self, role: str, address: str, exc: grpc.aio.AioRpcError) -> None:
-        log.warning(
-            "session %s: %s %s failed (%s); failing over",
-            self.session_id,
-            role,
-            address,
-            exc.code(),
-        )
-        self.ctx.pool(role).mark_dead(address)
+    def _failed(self, role: str, address: str, exc: Exception) -> None:
+        if isinstance(exc, BadAnswer):
+            log.error(
+                "session %s: %s %s answered inconsistently (%s); failing over",
+                self.session_id,
+                role,
+                address,
+                exc,
+            )
+            self.ctx.count("bad_answers", tier=role)
+            self.ctx.pool(role).mark_dead(address, BAD_ANSWER_QUARANTINE_S)
+        else:
+            log.warning(
+                "session %s: %s %s failed (%s); failing over",
+                self.session_id,
+                role,
+                address,
+                exc.code(),
+            )
+            self.ctx.pool(role).mark_dead(address)
         if role == "draft":
             self.stats.draft_failovers += 1
         else:
             self.stats.target_failovers += 1
         self.ctx.count("failovers", tier=role)
 
-    async def propose(self, committed: list[int], build) -> draft_pb2.ProposeResponse | None:
-        """Candidates from the draft; None when it failed (this round then goes target-only)."""
+    async def propose(
+        self, committed: list[int], build, gamma: int
+    ) -> draft_pb2.ProposeResponse | None:
+        """Candidates from the draft; None when it failed or answered nonsense (this round
+        then goes target-only)."""
+        address = self.draft.worker.address
         try:
-            return await self._call(
+            response = await self._call(
                 self.draft, "Propose", committed, build, self.ctx.settings.draft_timeout_s
             )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == BUSY:
+            check_proposal(response, gamma, self.draft.worker.info.vocab_size)
+            return response
+        except (grpc.aio.AioRpcError, BadAnswer) as exc:
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == BUSY:
                 self.ctx.count("backpressure", tier="draft")
                 return None
-            if exc.code() not in FAILOVER_CODES:
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in FAILOVER_CODES:
                 raise
-            address = self.draft.worker.address
             self._failed("draft", address, exc)
             await self.attach("draft", exclude={address})
             return None
 
-    async def verify(self, committed: list[int], build) -> target_pb2.VerifyResponse:
-        """The target's verdict, failing over to another target until the deadline."""
+    async def verify(
+        self, committed: list[int], build, candidates: list[int], max_output: int
+    ) -> target_pb2.VerifyResponse:
+        """The target's verdict, failing over to another target until the deadline (also
+        when a target answers something inconsistent with the candidates)."""
         settings = self.ctx.settings
         deadline = time.monotonic() + settings.worker_timeout_s
         failed: set[str] = set()
@@ -161,9 +221,11 @@ class SessionLinks:
                 continue
             try:
                 await self._prefill_if_long(committed)
-                return await self._call(
+                response = await self._call(
                     self.target, "Verify", committed, build, settings.worker_timeout_s
                 )
+                check_verdict(response, candidates, max_output, self.target.worker.info.vocab_size)
+                return response
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == BUSY:
                     busy += 1
@@ -176,14 +238,17 @@ class SessionLinks:
                     continue
                 if exc.code() not in FAILOVER_CODES:
                     raise
-                address = self.target.worker.address
-                self._failed("target", address, exc)
-                failed.add(address)
-                self.target.worker = None
-                if time.monotonic() > deadline:
-                    raise Unavailable(
-                        f"target worker {address} failed and no other answered in time"
-                    ) from exc
+                failure: Exception = exc
+            except BadAnswer as exc:
+                failure = exc
+            address = self.target.worker.address
+            self._failed("target", address, failure)
+            failed.add(address)
+            self.target.worker = None
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"target worker {address} failed and no other answered in time"
+                ) from failure
 
     async def _prefill_if_long(self, committed: list[int]) -> None:
         """Send a long missing prefix as a chunked Prefill, so it does not stall a batch."""

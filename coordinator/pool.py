@@ -11,10 +11,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdec.serving.registry import list_workers
+from specdec.serving.security import ClientTLS, SecurityConfigError
 from specdec.serving.server import channel
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+OLD_CHANNEL_GRACE_S = 60.0
 
 
 @dataclass
@@ -44,12 +47,15 @@ class WorkerPool:
         vocab_fingerprint: str,
         redis=None,
         timeout_s: float = 5.0,
+        tls: ClientTLS | None = None,
     ):
         self.role = role
         self.static = [a for a in static if a]
         self.vocab_fingerprint = vocab_fingerprint
         self.redis = redis
         self.timeout_s = timeout_s
+        self.tls = tls
+        self._tls_stamp = tls.stamp() if tls else None
         self.workers: dict[str, Worker] = {}
         self.refused: dict[str, str] = {}  # address → why it is not used
         self._lock = asyncio.Lock()
@@ -62,13 +68,19 @@ class WorkerPool:
         )
 
     async def _connect(self, address: str) -> None:
-        ch = channel(address)
+        try:
+            ch = channel(address, self.tls)
+        except SecurityConfigError as exc:  # a certificate file vanished mid-rotation
+            log.warning("%s worker %s: not connecting: %s", self.role, address, exc)
+            return
         stub = self._stub(ch)
         try:
             info = await stub.Info(common_pb2.InfoRequest(), timeout=self.timeout_s)
         except grpc.RpcError as exc:
             await ch.close()
-            log.warning("%s worker %s unreachable: %s", self.role, address, exc.code())
+            log.warning(
+                "%s worker %s unreachable: %s %s", self.role, address, exc.code(), exc.details()
+            )
             return
         if info.vocab_fingerprint != self.vocab_fingerprint:
             await ch.close()
@@ -81,9 +93,33 @@ class WorkerPool:
         self.workers[address] = Worker(address, self.role, info, ch, stub)
         log.info("%s worker %s joined (%s)", self.role, address, info.model_name)
 
+    async def _rotate_channels(self) -> None:
+        """After the coordinator's certificate files changed, give every worker a new channel
+        (new handshakes present the new certificate); old channels close once their calls
+        have had a minute to finish."""
+        stamp = self.tls.stamp()
+        if stamp == self._tls_stamp:
+            return
+        try:
+            fresh = {address: channel(address, self.tls) for address in self.workers}
+        except SecurityConfigError as exc:  # half-written rotation: try at the next refresh
+            log.warning("TLS files changed but cannot be read yet: %s", exc)
+            return
+        self._tls_stamp = stamp
+        log.info("TLS files changed: new channels to %d %s worker(s)", len(fresh), self.role)
+        for address, ch in fresh.items():
+            worker = self.workers[address]
+            old = worker.channel
+            worker.channel, worker.stub = ch, self._stub(ch)
+            asyncio.get_running_loop().call_later(
+                OLD_CHANNEL_GRACE_S, lambda c=old: asyncio.ensure_future(c.close())
+            )
+
     async def refresh(self) -> None:
         """Pick up static and registered workers; forget registered ones that expired."""
         async with self._lock:
+            if self.tls is not None:
+                await self._rotate_channels()
             registered: dict[str, dict] = {}
             if self.redis is not None:
                 try:

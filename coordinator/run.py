@@ -158,6 +158,7 @@ class SessionRun:
                 sampling=self.processors,
                 seed=self.record.seed,
             ),
+            gamma,
         )
 
     async def verify(self, proposal) -> target_pb2.VerifyResponse:
@@ -176,6 +177,8 @@ class SessionRun:
                 seed=self.record.seed,
                 max_output_tokens=remaining,
             ),
+            candidates,
+            remaining,
         )
 
     def accept(self, proposal, result: target_pb2.VerifyResponse) -> RoundOutcome:

@@ -42,12 +42,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.settings = settings
         self.redis = redis
         fp = vocab_fingerprint(tokenizer)
-        timeout = settings.worker_timeout_s
+        timeout, tls = settings.worker_timeout_s, settings.worker_tls()
         self.ctx = RunContext(
             settings=settings,
             store=SessionStore(redis, settings.lease_s, settings.session_ttl_s),
-            drafts=WorkerPool("draft", _addresses(settings.draft_addr), fp, redis, timeout),
-            targets=WorkerPool("target", _addresses(settings.target_addr), fp, redis, timeout),
+            drafts=WorkerPool("draft", _addresses(settings.draft_addr), fp, redis, timeout, tls),
+            targets=WorkerPool("target", _addresses(settings.target_addr), fp, redis, timeout, tls),
             costs=CostModel(),
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids(tokenizer),

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.serving.security import APIKeys, ClientTLS, SecurityFlags, ServerTLS
 from specdec.serving.settings import opt
 
 
 @dataclass(frozen=True)
-class CoordinatorSettings:
+class CoordinatorSettings(SecurityFlags):
     tokenizer: str = opt(
         "smollm2-135m-instruct",
         "the target model's tokenizer: its directory, or a catalogued model name",
@@ -77,3 +78,40 @@ class CoordinatorSettings:
     grace_s: float = opt(10.0, "on SIGTERM, how long in-flight streams may finish")
     metrics_port: int = opt(0, "Prometheus metrics port (0 = off)")
     log_level: str = opt("info", "debug | info | warning | error")
+    tls_client_ca: str = opt(
+        "", "with --tls-cert: public-API clients must present a certificate signed by this CA"
+    )
+    worker_tls_cert: str = opt(
+        "", "client certificate presented to workers with --tls-ca (default: --tls-cert)"
+    )
+    worker_tls_key: str = opt("", "private key of --worker-tls-cert (default: --tls-key)")
+    tls_server_name: str = opt(
+        "",
+        "name every worker certificate must carry (default: the host of the worker's address; "
+        "set it where workers register under pod IPs)",
+    )
+    api_keys_file: str = opt(
+        "",
+        "public RPCs need 'authorization: Bearer <key>' with a key of this file (one per line, "
+        "or sha256:<hex>; re-read when it changes); empty = no keys",
+    )
+
+    def public_tls(self) -> ServerTLS | None:
+        """The public API's TLS (mutual with --tls-client-ca), or None for plaintext."""
+        if not self.tls_cert:
+            return None
+        return ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    def worker_tls(self) -> ClientTLS | None:
+        """How the coordinator calls workers: mTLS when --tls-ca is set, else plaintext."""
+        if not self.tls_ca:
+            return None
+        return ClientTLS(
+            ca=self.tls_ca,
+            cert=self.worker_tls_cert or self.tls_cert,
+            key=self.worker_tls_key or self.tls_key,
+            server_name=self.tls_server_name,
+        )
+
+    def api_keys(self) -> APIKeys | None:
+        return APIKeys(self.api_keys_file) if self.api_keys_file else None

@@ -7,6 +7,11 @@
     result = client.generate("import os", max_new_tokens=32)
     print(result.text, result.stats.mean_acceptance_length)
 
+Over TLS, pass the CA that signed the coordinator's certificate (`tls_ca=`; a client
+certificate with `tls_cert=`/`tls_key=` where the coordinator asks for one); with API keys on,
+`api_key=` (default: the SPECDEC_API_KEY environment variable) goes with every call as
+`authorization: Bearer <key>`.
+
 Both clients retry UNAVAILABLE (a coordinator restart or failover) by calling again — on the
 next address of the list — with the same `session_id` and `resume_from` set to the tokens
 already received, so the caller never sees a duplicated or lost token.
@@ -15,12 +20,14 @@ already received, so the caller never sees a duplicated or lost token.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
+from specdec.serving.security import ClientTLS
 from specdec.serving.wire import merge, merge_chunk
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -74,8 +81,18 @@ class _ClientBase:
         timeout_s: float = 300.0,
         retries: int = 10,
         backoff_s: float = 0.5,
+        *,
+        tls_ca: str | None = None,
+        tls_cert: str = "",
+        tls_key: str = "",
+        server_name: str = "",
+        api_key: str | None = None,
     ):
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        tls_ca = os.environ.get("SPECDEC_TLS_CA", "") if tls_ca is None else tls_ca
+        self.tls = ClientTLS(tls_ca, tls_cert, tls_key, server_name)
+        api_key = os.environ.get("SPECDEC_API_KEY", "") if api_key is None else api_key
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -92,6 +109,13 @@ class _ClientBase:
             raise exc
         return self.backoff_s * attempt
 
+    def _open(self, grpc_module):
+        """A channel to the current address (TLS when a CA or certificate is given)."""
+        address = self._address()
+        if not self.tls.enabled:
+            return grpc_module.insecure_channel(address)
+        return grpc_module.secure_channel(address, self.tls.credentials(), self.tls.options())
+
     def _remaining(self, deadline: float) -> float:
         return max(0.1, deadline - time.monotonic())
 
@@ -101,7 +125,7 @@ class Client(_ClientBase):
 
     def _connect(self):
         if self._stub is None:
-            self._channel = grpc.insecure_channel(self._address())
+            self._channel = self._open(grpc)
             self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         return self._stub
 
@@ -124,7 +148,7 @@ class Client(_ClientBase):
             request.resume_from = received
             try:
                 for chunk in self._connect().GenerateStream(
-                    request, timeout=self._remaining(deadline)
+                    request, timeout=self._remaining(deadline), metadata=self.metadata
                 ):
                     attempt = 0
                     received = chunk.offset + len(chunk.token_ids)
@@ -144,12 +168,16 @@ class Client(_ClientBase):
 
     def get_session(self, session_id: str) -> coordinator_pb2.SessionInfo:
         return self._connect().GetSession(
-            coordinator_pb2.GetSessionRequest(session_id=session_id), timeout=10
+            coordinator_pb2.GetSessionRequest(session_id=session_id),
+            timeout=10,
+            metadata=self.metadata,
         )
 
     def cancel(self, session_id: str) -> coordinator_pb2.CancelSessionResponse:
         return self._connect().CancelSession(
-            coordinator_pb2.CancelSessionRequest(session_id=session_id), timeout=10
+            coordinator_pb2.CancelSessionRequest(session_id=session_id),
+            timeout=10,
+            metadata=self.metadata,
         )
 
     def __enter__(self) -> Client:
@@ -164,7 +192,7 @@ class AsyncClient(_ClientBase):
 
     def _connect(self):
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self._address())
+            self._channel = self._open(grpc.aio)
             self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         return self._stub
 
@@ -185,7 +213,9 @@ class AsyncClient(_ClientBase):
         while True:
             request.resume_from = received
             try:
-                call = self._connect().GenerateStream(request, timeout=self._remaining(deadline))
+                call = self._connect().GenerateStream(
+                    request, timeout=self._remaining(deadline), metadata=self.metadata
+                )
                 async for chunk in call:
                     attempt = 0
                     received = chunk.offset + len(chunk.token_ids)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-from specdec.core.proposal import validate_sparse
 from specdec.errors import InvalidArgument
 from specdec.serving.rpc import rpc
-from specdec.serving.wire import check_tokens, sampling_from_proto
+from specdec.serving.wire import check_draft_dists, check_tokens, sampling_from_proto
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.worker.batcher import Batcher
 from specdec.worker.service import WorkerService
@@ -51,17 +50,7 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
                 f"candidate_ids: {len(candidates)} candidates exceed the limit of {self.settings.max_speculative_tokens}"
             )
         dists = list(request.draft_dists)
-        if dists and len(dists) != len(candidates):
-            raise InvalidArgument(
-                f"draft_dists: expected {len(candidates)} (one per candidate) or none, got {len(dists)}"
-            )
-        for i, dist in enumerate(dists):
-            validate_sparse(
-                list(dist.token_ids), list(dist.weights), runtime.vocab_size, f"draft_dists[{i}]"
-            )
-            weight = dict(zip(dist.token_ids, dist.weights)).get(candidates[i], 0)
-            if weight <= 0:
-                raise InvalidArgument(f"draft_dists[{i}] gives candidate_ids[{i}] zero probability")
+        check_draft_dists(candidates, dists, runtime.vocab_size)
         params = sampling_from_proto(request.sampling)
         if request.max_output_tokens:
             candidates = candidates[: request.max_output_tokens - 1]

@@ -16,7 +16,6 @@ from specdec.core.params import SamplingParams
 from specdec.core.processed import WINDOW, ProcessorParams, process
 from specdec.core.rng import Stream, uniform
 from specdec.core.sampling import sample_inverse_cdf
-from specdec.errors import InvalidArgument
 
 WIRE_WEIGHT_MAX = 65535  # the most likely kept token gets this weight
 
@@ -98,19 +97,3 @@ def encode_sparse(ids: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], 
     """Wire pairs of one q̃ row [K]: zero weights dropped."""
     keep = weights > 0
     return ids[keep].tolist(), weights[keep].tolist()
-
-
-def validate_sparse(ids: list[int], weights: list[int], vocab: int, field: str) -> None:
-    """Raise InvalidArgument naming the field when a wire q̃ is not a valid distribution."""
-    if not ids:
-        raise InvalidArgument(f"{field}.token_ids must not be empty")
-    if len(ids) != len(weights):
-        raise InvalidArgument(
-            f"{field}: token_ids and weights differ in length ({len(ids)} vs {len(weights)})"
-        )
-    if len(set(ids)) != len(ids):
-        raise InvalidArgument(f"{field}.token_ids must not repeat a token")
-    if max(ids) >= vocab:
-        raise InvalidArgument(f"{field}.token_ids: {max(ids)} is outside the vocabulary ({vocab})")
-    if sum(weights) <= 0:
-        raise InvalidArgument(f"{field}.weights must have a positive sum")

@@ -37,6 +37,7 @@ SERVICES = {
     "bench math": "bench.math",
     "bench fuzz": "bench.fuzz",
     "bench load": "bench.load",
+    "bench tls": "bench.tls",
 }
 
 
@@ -107,6 +108,30 @@ def up(argv: list[str]) -> int:
         "chat template)",
     )
     p.add_argument("--no-demo", action="store_true", help="skip the demo completion")
+    p.add_argument(
+        "--tls",
+        action=argparse.BooleanOptionalAction,
+        default=env_default("tls", False),
+        help="every hop over TLS (mTLS between tiers) with a throwaway CA in --state-dir",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[k for k in [env_default("api-key", "")] if k],
+        help="turn API keys on with this key (repeatable); clients send it as a Bearer token",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=env_default("state-dir", ""),
+        help="where --tls and --api-key write the CA, certificates and key file (default: a "
+        "temporary directory removed on exit)",
+    )
+    p.add_argument(
+        "--reflection",
+        action=argparse.BooleanOptionalAction,
+        default=env_default("reflection", True),
+        help="gRPC reflection on every service (on here; off by default in each service)",
+    )
     p.add_argument("--log-level", default=env_default("log-level", "warning"))
     args = p.parse_args(argv)
     from specdec.catalog import CatalogError, cache_root
@@ -143,6 +168,10 @@ def up(argv: list[str]) -> int:
             target_threads=args.target_threads,
             proposer=args.proposer,
             log_level=args.log_level,
+            tls=args.tls,
+            api_keys=args.api_key,
+            state_dir=args.state_dir,
+            reflection=args.reflection,
         )
     )
     stopping = {"flag": False}
@@ -170,9 +199,17 @@ def up(argv: list[str]) -> int:
             flush=True,
         )
         example = "--chat 'Write a haiku about autumn.'" if chat else "'def add(a, b):'"
-        print(f"try:  specdec generate --addr {stack.address} --stats {example}\n", flush=True)
+        options = stack.client_options()
+        tls = f" --tls-ca {options['tls_ca']}" if "tls_ca" in options else ""
+        if "api_key" in options:
+            print("API keys are on: export SPECDEC_API_KEY=<the --api-key you gave>", flush=True)
+        print(f"try:  specdec generate --addr {stack.address}{tls} --stats {example}", flush=True)
+        if options:
+            ca = f", tls_ca={options['tls_ca']!r}" if tls else ""
+            print(f"      Python: Client({stack.address!r}{ca}).generate(...)", flush=True)
+        print(flush=True)
         if not args.no_demo and not stopping["flag"]:
-            demo(stack.address, args.demo_prompt, chat)
+            demo(stack.address, args.demo_prompt, chat, stack.client_options())
         print("serving; Ctrl-C stops everything", flush=True)
         while not stopping["flag"]:
             dead = stack.dead_children()
@@ -196,7 +233,7 @@ DEMO_CHAT = "What is the capital of Italy, and what is it famous for?"
 DEMO_CODE = "def fibonacci(n):\n    "
 
 
-def demo(address: str, prompt: str, chat: bool) -> None:
+def demo(address: str, prompt: str, chat: bool, client_options: dict | None = None) -> None:
     from specdec.client import Client
 
     if chat:
@@ -206,7 +243,7 @@ def demo(address: str, prompt: str, chat: bool) -> None:
     else:
         request = prompt = prompt or DEMO_CODE
         print(f"demo completion (greedy, adaptive γ):\n{prompt}", end="", flush=True)
-    with Client(address, timeout_s=120) as client:
+    with Client(address, timeout_s=120, **(client_options or {})) as client:
         final = None
         for chunk in client.stream(request, max_new_tokens=96, temperature=0.0):
             print(chunk.text, end="", flush=True)
@@ -227,6 +264,7 @@ def generate(argv: list[str]) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from specdec.client import Client
+    from specdec.serving.security import SecurityConfigError
     from specdec.serving.wire import merge
 
     p = argparse.ArgumentParser(
@@ -266,6 +304,18 @@ def generate(argv: list[str]) -> int:
     p.add_argument("--session-id", default="")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument(
+        "--tls-ca",
+        default=env_default("tls-ca", ""),
+        help="connect over TLS, verifying the coordinator with this CA (PEM)",
+    )
+    p.add_argument("--tls-cert", default="", help="client certificate, where the coordinator asks")
+    p.add_argument("--tls-key", default="", help="private key of --tls-cert")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="sent as 'authorization: Bearer <key>' [env SPECDEC_API_KEY]",
+    )
+    p.add_argument(
         "--json", action="store_true", help="print the whole response with stats as JSON"
     )
     p.add_argument("--stats", action="store_true", help="print acceptance and speed after the text")
@@ -288,7 +338,14 @@ def generate(argv: list[str]) -> int:
         prompt = [{"role": "user", "content": args.prompt}]
         if args.system:
             prompt.insert(0, {"role": "system", "content": args.system})
-    client = Client(args.addr.split(","), timeout_s=args.timeout)
+    client = Client(
+        args.addr.split(","),
+        timeout_s=args.timeout,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        api_key=args.api_key,
+    )
     try:
         if args.json:
             response = merge(client.stream(prompt, **kwargs))
@@ -312,6 +369,9 @@ def generate(argv: list[str]) -> int:
     except grpc.RpcError as exc:
         print(f"specdec generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except SecurityConfigError as exc:
+        print(f"specdec generate: {exc}", file=sys.stderr)
+        return 2
     finally:
         client.close()
 
@@ -367,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         return generate(rest)
     if command == "models":
         return models(rest)
-    if command == "bench" and rest and rest[0] in ("workers", "math", "fuzz", "load"):
+    if command == "bench" and rest and rest[0] in ("workers", "math", "fuzz", "load", "tls"):
         command, rest = f"bench {rest[0]}", rest[1:]
     if command not in SERVICES:
         print(f"specdec: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

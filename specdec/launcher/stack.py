@@ -9,14 +9,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
+from specdec.launcher.certs import CertificateAuthority
 from specdec.serving.redis_embedded import EmbeddedRedis, free_port
+from specdec.serving.registry import redact
+from specdec.serving.security import hash_key
 
 
 class StackError(RuntimeError):
@@ -40,6 +45,11 @@ class StackSettings:
     target_args: list[str] = field(default_factory=list)
     draft_args: list[str] = field(default_factory=list)
     log_level: str = "warning"
+    # Security: every hop over (m)TLS with a throwaway CA, and API keys on the public API.
+    tls: bool = False
+    api_keys: list[str] = field(default_factory=list)
+    state_dir: str = ""  # certificates and the key file (default: a temporary directory)
+    reflection: bool = False  # gRPC reflection on every service (specdec up turns it on)
 
 
 class Child:
@@ -84,6 +94,45 @@ class Stack:
         self.children: list[Child] = []
         self.draft_addresses: list[str] = []
         self.target_addresses: list[str] = []
+        self.state_dir = ""
+        self._own_state_dir = False
+        self.ca: CertificateAuthority | None = None
+        self.worker_tls: list[str] = []  # flags of a worker (its certificate is shared)
+        self.coordinator_security: list[str] = []
+
+    def _prepare_security(self) -> None:
+        """The throwaway CA, one certificate per tier, and the API-key file (hashed keys)."""
+        s = self.settings
+        if not (s.tls or s.api_keys):
+            return
+        self.state_dir = s.state_dir or tempfile.mkdtemp(prefix="specdec-up-")
+        self._own_state_dir = not s.state_dir
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        if s.tls:
+            self.ca = CertificateAuthority.create(os.path.join(self.state_dir, "tls"))
+            ca = self.ca.cert_path
+            cert, key = self.ca.issue("worker")
+            self.worker_tls = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
+            cert, key = self.ca.issue("coordinator")
+            self.coordinator_security += ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
+        if s.api_keys:
+            path = os.path.join(self.state_dir, "api-keys")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(hash_key(k) + "\n" for k in s.api_keys))
+            self.coordinator_security += ["--api-keys-file", path]
+
+    def _reflection(self) -> list[str]:
+        return ["--reflection"] if self.settings.reflection else []
+
+    def client_options(self) -> dict:
+        """Keyword arguments of `specdec.client.Client` that reach this stack."""
+        options = {}
+        if self.ca is not None:
+            options["tls_ca"] = self.ca.cert_path
+        if self.settings.api_keys:
+            options["api_key"] = self.settings.api_keys[0]
+        return options
 
     @property
     def address(self) -> str:
@@ -92,6 +141,8 @@ class Stack:
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        # In the environment, not on the command line: the URL may carry Redis's password.
+        env["SPECDEC_REDIS_URL"] = self.redis_url
         child = Child(name, [sys.executable, "-m", module, *args], env)
         self.children.append(child)
         return child
@@ -100,18 +151,20 @@ class Stack:
         """Start worker i of a tier on a free port; returns the line `up` prints for it."""
         port = free_port()
         getattr(self, f"{tier}_addresses").append(f"127.0.0.1:{port}")
-        args = ["--model", model, "--port", str(port), "--threads", str(threads), *extra]
+        args = ["--model", model, "--port", str(port), "--threads", str(threads)]
+        args += [*self.worker_tls, *extra]
         self._spawn(f"{tier}-worker-{i}", f"{tier}_worker", args)
         return f"{tier}[{i}]".ljust(13) + f"127.0.0.1:{port}  model={model} threads={threads}"
 
     def start(self, progress=print) -> Stack:
         s = self.settings
         try:
+            self._prepare_security()
             if not self.redis_url:
                 self.redis = EmbeddedRedis().start()
                 self.redis_url = self.redis.url
-                progress(f"redis        {self.redis_url} (embedded redis-server)")
-            common = ["--redis-url", self.redis_url, "--log-level", s.log_level]
+                progress(f"redis        {redact(self.redis_url)} (embedded redis-server)")
+            common = ["--log-level", s.log_level, *self._reflection()]
             for i in range(s.target_workers):
                 extra = common + s.target_args
                 progress(self._spawn_worker("target", i, s.target_model, s.target_threads, extra))
@@ -146,14 +199,14 @@ class Stack:
             s.host,
             "--port",
             str(port),
-            "--redis-url",
-            self.redis_url,
             "--draft-addr",
             ",".join(self.draft_addresses),
             "--target-addr",
             ",".join(self.target_addresses),
             "--log-level",
             s.log_level,
+            *self.coordinator_security,
+            *self._reflection(),
             *s.coordinator_args,
             *extra,
         ]
@@ -191,6 +244,9 @@ class Stack:
         if self.redis:
             self.redis.stop()
             self.redis = None
+        if self._own_state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+            self._own_state_dir = False
 
     def __enter__(self) -> Stack:
         return self.start(progress=lambda _msg: None)

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import urllib.parse
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -20,8 +22,67 @@ PREFIX = "specdec:worker:"
 REDIS_TIMEOUT_S = 1.0
 
 
-def redis_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> aioredis.Redis:
-    return aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+PASSWORD_ENV = "SPECDEC_REDIS_PASSWORD"
+
+# The least privilege a specdec Redis user needs (docs/security.md): keys under specdec:,
+# no channels, and only the commands the coordinator, the workers and their Lua scripts
+# issue — `ACL SETUSER specdec on >PASSWORD <these rules>`. tests/service/test_security.py
+# runs every store and registry operation as such a user.
+REDIS_ACL = (
+    "resetkeys",
+    "~specdec:*",
+    "resetchannels",
+    "-@all",
+    "+hello",
+    "+auth",
+    "+ping",
+    "+select",
+    "+client|setinfo",
+    "+get",
+    "+set",
+    "+del",
+    "+exists",
+    "+expire",
+    "+pexpire",
+    "+hset",
+    "+hget",
+    "+hgetall",
+    "+hincrby",
+    "+rpush",
+    "+lrange",
+    "+scan",
+    "+multi",
+    "+exec",
+    "+discard",
+    "+evalsha",
+    "+eval",
+    "+script|load",
+    "+script|exists",
+)
+
+
+def redis_client(url: str, timeout_s: float = REDIS_TIMEOUT_S, ca: str = "") -> aioredis.Redis:
+    """A client of `url` (redis:// or rediss://; a username and password in the URL, or the
+    password from SPECDEC_REDIS_PASSWORD; `ca` verifies a rediss:// server)."""
+    options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    password = os.environ.get(PASSWORD_ENV)
+    if password and not urllib.parse.urlsplit(url).password:
+        options["password"] = password
+    if ca:
+        options["ssl_ca_certs"] = ca
+    return aioredis.from_url(url, **options)
+
+
+def redact(url: str) -> str:
+    """`url` with its password replaced, for logs and terminals."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def worker_key(role: str, address: str) -> str:
@@ -38,8 +99,9 @@ class Registration:
         address: str,
         describe: Callable[[], dict],
         heartbeat_s: float,
+        redis_ca: str = "",
     ):
-        self.redis = redis_client(redis_url)
+        self.redis = redis_client(redis_url, ca=redis_ca)
         self.key = worker_key(role, address)
         self.describe = describe
         self.heartbeat_s = heartbeat_s

@@ -11,7 +11,9 @@ import grpc
 from google.protobuf import descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection as grpc_reflection
+
+from specdec.serving.security import APIKeys, ClientTLS, ServerTLS
 
 MESSAGE_LIMIT_MB = 64
 # Pings every 30 s find a dead peer (a vanished pod, a dropped NAT entry) within 40 s.
@@ -38,6 +40,7 @@ class Server:
         service_names: list[str],
         max_message_mb: int = MESSAGE_LIMIT_MB,
         max_connection_age_s: float = MAX_CONNECTION_AGE_S,
+        reflection: bool = False,
     ):
         options = [
             ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
@@ -51,16 +54,22 @@ class Server:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
-        reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
-        )
+        if reflection:  # off by default: it hands any caller the whole API surface
+            grpc_reflection.enable_server_reflection(
+                [*self.service_names, health.SERVICE_NAME, grpc_reflection.SERVICE_NAME],
+                self.server,
+            )
         self.port = 0
 
-    def add(self, servicer, service_name: str) -> None:
+    def add(self, servicer, service_name: str, api_keys: APIKeys | None = None) -> None:
         """Serve `servicer`'s methods for the named service, with request parsing that never
         fails the call: bytes that are not the method's message (malformed protobuf, a string
         that is not UTF-8) reach the handler as `Malformed`, which `rpc` refuses as
-        INVALID_ARGUMENT (grpc's own parser would answer with its exception text)."""
+        INVALID_ARGUMENT (grpc's own parser would answer with its exception text).
+
+        With `api_keys`, every method of the service needs `authorization: Bearer <key>`
+        (UNAUTHENTICATED otherwise, before the request is looked at); health and reflection
+        stay open."""
         service = descriptor_pool.Default().FindServiceByName(service_name)
         handlers = {}
         for method in service.methods:
@@ -69,8 +78,11 @@ class Server:
                 if method.server_streaming
                 else grpc.unary_unary_rpc_method_handler
             )
+            handler = getattr(servicer, method.name)
+            if api_keys is not None:
+                handler = _authenticated(handler, api_keys, method.server_streaming, servicer)
             handlers[method.name] = make(
-                getattr(servicer, method.name),
+                handler,
                 request_deserializer=_tolerant_parser(GetMessageClass(method.input_type)),
                 response_serializer=lambda message: message.SerializeToString(),
             )
@@ -78,8 +90,13 @@ class Server:
             (grpc.method_handlers_generic_handler(service_name, handlers),)
         )
 
-    def bind(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+    def bind(self, host: str, port: int, tls: ServerTLS | None = None) -> int:
+        """Listen on host:port, over TLS (mutual when `tls.client_ca` is set) or plaintext."""
+        address = f"{host}:{port}"
+        if tls is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, tls.credentials())
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
         return self.port
@@ -112,6 +129,33 @@ class Malformed:
         self.message_name = message_name
 
 
+def _authenticated(handler, api_keys: APIKeys, streaming: bool, servicer):
+    """`handler` behind an API-key check that runs before anything reads the request."""
+
+    async def refuse(context) -> None:
+        reason = api_keys.authorize(context.invocation_metadata())
+        if reason is not None:
+            hook = getattr(servicer, "record_call", None)
+            if hook is not None:
+                hook(handler.__name__, grpc.StatusCode.UNAUTHENTICATED.name)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    if streaming:
+
+        async def stream(request, context):
+            await refuse(context)
+            async for item in handler(request, context):
+                yield item
+
+        return stream
+
+    async def unary(request, context):
+        await refuse(context)
+        return await handler(request, context)
+
+    return unary
+
+
 def _tolerant_parser(message_cls):
     def parse(data: bytes):
         try:
@@ -128,15 +172,16 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_receive_message_length", MESSAGE_LIMIT_MB << 20),
-            ("grpc.max_send_message_length", MESSAGE_LIMIT_MB << 20),
-            *KEEPALIVE,
-        ],
-    )
+def channel(address: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
+    """A channel to another tier: plaintext, or TLS (mutual when `tls` has a certificate)."""
+    options = [
+        ("grpc.max_receive_message_length", MESSAGE_LIMIT_MB << 20),
+        ("grpc.max_send_message_length", MESSAGE_LIMIT_MB << 20),
+        *KEEPALIVE,
+    ]
+    if tls is None or not tls.enabled:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options + tls.options())
 
 
 def setup_logging(level: str) -> None:

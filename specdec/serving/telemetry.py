@@ -161,6 +161,10 @@ class CoordinatorMetrics:
             "specdec_backpressure",
             description="worker calls answered RESOURCE_EXHAUSTED (full worker), by tier",
         )
+        self.bad_answers = m.create_counter(
+            "specdec_worker_bad_answers",
+            description="worker answers the coordinator refused as inconsistent, by tier",
+        )
         self.rejected = m.create_counter(
             "specdec_rejected_requests", description="requests refused, by status code"
         )

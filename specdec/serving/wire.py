@@ -68,6 +68,36 @@ def check_session_id(value: str, field_name: str = "session_id") -> str:
     return value
 
 
+def validate_sparse(ids: list[int], weights: list[int], vocab: int, field: str) -> None:
+    """Raise InvalidArgument naming the field when a wire q̃ is not a valid distribution."""
+    if not ids:
+        raise InvalidArgument(f"{field}.token_ids must not be empty")
+    if len(ids) != len(weights):
+        raise InvalidArgument(
+            f"{field}: token_ids and weights differ in length ({len(ids)} vs {len(weights)})"
+        )
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument(f"{field}.token_ids must not repeat a token")
+    if max(ids) >= vocab:
+        raise InvalidArgument(f"{field}.token_ids: {max(ids)} is outside the vocabulary ({vocab})")
+    if sum(weights) <= 0:
+        raise InvalidArgument(f"{field}.weights must have a positive sum")
+
+
+def check_draft_dists(candidates: list[int], dists, vocab: int) -> None:
+    """Raise InvalidArgument naming the field unless `dists` holds one valid q̃ per candidate
+    (or none: token-only) and each gives its candidate a positive weight."""
+    if dists and len(dists) != len(candidates):
+        raise InvalidArgument(
+            f"draft_dists: expected {len(candidates)} (one per candidate) or none, got {len(dists)}"
+        )
+    for i, dist in enumerate(dists):
+        validate_sparse(list(dist.token_ids), list(dist.weights), vocab, f"draft_dists[{i}]")
+        weight = dict(zip(dist.token_ids, dist.weights)).get(candidates[i], 0)
+        if weight <= 0:
+            raise InvalidArgument(f"draft_dists[{i}] gives candidate_ids[{i}] zero probability")
+
+
 def check_tokens(tokens: Iterable[int], vocab_size: int, field_name: str) -> list[int]:
     """Token ids as ints; InvalidArgument naming the first one outside the vocabulary."""
     tokens = [int(t) for t in tokens]

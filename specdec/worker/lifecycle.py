@@ -12,6 +12,7 @@ from google.protobuf.json_format import MessageToDict
 from specdec.engine.kv import KVSession
 from specdec.serving import telemetry
 from specdec.serving.registry import Registration
+from specdec.serving.security import SecurityConfigError
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
 from specdec.serving.settings import add_flags, from_args
 
@@ -32,9 +33,9 @@ async def serve_worker(settings, role: str, service, service_name: str, warmup) 
             lambda: service.batcher.in_flight,
             lambda: service.table.evictions,
         )
-    server = Server([service_name], settings.max_message_mb)
+    server = Server([service_name], settings.max_message_mb, reflection=settings.reflection)
     server.add(service, service_name)
-    port = server.bind(settings.host, settings.port)
+    port = server.bind(settings.host, settings.port, settings.server_tls())
     address = settings.advertise_addr or f"{settings.host}:{port}"
     service.address = address
     stop = asyncio.Event()
@@ -53,6 +54,7 @@ async def serve_worker(settings, role: str, service, service_name: str, warmup) 
             address,
             lambda: {**_info_dict(service.info()), "load": service.load()},
             settings.heartbeat_s,
+            settings.redis_ca,
         )
         await registration.start()
     print(f"READY {role} {address}", flush=True)  # serving, and registered when asked to
@@ -87,7 +89,15 @@ def worker_main(
     parser = argparse.ArgumentParser(prog=prog, description=doc)
     add_flags(parser, settings_cls)
     settings = from_args(settings_cls, parser.parse_args(argv))
+    try:
+        settings.validate_tls()
+    except SecurityConfigError as exc:
+        parser.error(str(exc))
+    if settings.tls_ca and not settings.tls_cert:
+        parser.error("--tls-ca (mTLS) needs the worker's own --tls-cert and --tls-key")
     setup_logging(settings.log_level)
+    if settings.tls_cert and not settings.tls_ca:
+        log.warning("TLS without --tls-ca: any caller that reaches this port may use the worker")
 
     async def run() -> None:
         service = build(settings)

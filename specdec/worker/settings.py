@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from specdec.serving.security import SecurityFlags, ServerTLS
 from specdec.serving.settings import opt
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerSettings:
+class WorkerSettings(SecurityFlags):
     """Flags both worker tiers take; each tier overrides the defaults that differ."""
 
     model: str = opt("", "Hugging Face model directory")
@@ -34,3 +35,9 @@ class WorkerSettings:
         256, "Propose/Verify/Prefill calls queued or running (RESOURCE_EXHAUSTED beyond)"
     )
     log_level: str = opt("info", "debug | info | warning | error")
+
+    def server_tls(self) -> ServerTLS | None:
+        """TLS of this worker's port; with --tls-ca every caller needs a client certificate."""
+        if not self.tls_cert:
+            return None
+        return ServerTLS(self.tls_cert, self.tls_key, client_ca=self.tls_ca)

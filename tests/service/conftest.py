@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from dataclasses import replace
 
 import grpc
 import pytest
+from loop_thread import LoopThread
 
 from draft_worker.__main__ import DraftSettings
 from draft_worker.__main__ import build as build_draft
@@ -15,20 +14,6 @@ from specdec.serving.server import Server
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
 from target_worker.__main__ import TargetSettings
 from target_worker.__main__ import build as build_target
-
-
-class LoopThread:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 class Worker:

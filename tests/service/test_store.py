@@ -399,3 +399,36 @@ def test_release_all_gives_up_only_our_leases(url, db):
     assert not db.exists(Keys.of(ours).lease) and db.get(Keys.of(theirs).lease) == "c2"
     assert call(url, "take_over", ours, "c3") == 1  # at once, not after the lease time
     assert call(url, "release_all", "c1", []) == 0
+
+
+async def exercise_store(url: str) -> None:
+    """Every store and registry operation specdec issues, once, through `url` (the ACL test
+    runs this as a least-privilege Redis user)."""
+    from specdec.serving.registry import Registration, list_workers, redis_client
+
+    r = redis_client(url)
+    try:
+        store = SessionStore(r, LEASE_S, TTL_S)
+        sid = f"acl-{uuid.uuid4().hex}"
+        assert await store.create(record(sid), "c1")
+        assert not await store.create(record(sid), "c1")
+        assert await store.reassign(sid, "c1", "d:1", "t:1") == 1
+        assert await store.commit(sid, "c1", 3, 1, [7], ["x"], {"rounds": 1}) == (4, "")
+        assert await store.renew(sid, "c1", 1)
+        assert await store.renew_all("c1", [(sid, 1)]) == [True]
+        assert (await store.load(sid)).generated == [7]
+        assert await store.release_all("c1", [sid]) == 1
+        assert await store.take_over(sid, "c2") == 2
+        await store.cancel(sid)
+        assert await store.commit(sid, "c2", 4, 2, [8], ["y"], {}) == (5, "CANCELLED")
+        registration = Registration(url, "target", "127.0.0.1:1", lambda: {"address": "a"}, 1.0)
+        await registration.start()
+        assert [w["address"] for w in await list_workers(r, "target")] == ["a"]
+        await registration.stop()
+        assert await list_workers(r, "target") == []
+    finally:
+        await r.aclose()
+
+
+def test_exercise_store_runs_as_the_default_user(url):
+    asyncio.run(exercise_store(url))

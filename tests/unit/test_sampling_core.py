@@ -13,11 +13,11 @@ from specdec.core.proposal import (
     encode_sparse,
     propose_step,
     quantise,
-    validate_sparse,
 )
 from specdec.core.rng import Stream, seed_tensor, uniform, uniform_scalar
 from specdec.core.sampling import apply_processors, probs_from_logits, sample_inverse_cdf
 from specdec.core.verify import verify_block
+from specdec.serving.wire import validate_sparse
 
 
 def test_uniform_is_a_pure_function_of_seed_position_stream():
