@@ -241,12 +241,98 @@ def coordinator() -> Schema:
     )
 
 
+KEY = {"type": "string", "minLength": 1}
+# A Go duration as cert-manager takes it, e.g. 2160h or 1h30m.
+DURATION = {"type": "string", "pattern": "^([0-9]+(\\.[0-9]+)?(ns|us|ms|s|m|h))+$"}
+
+
+def secret_key(description: str) -> Schema:
+    """A {name, key} reference to one key of a Secret ("" name = not used)."""
+    return obj({"name": string(), "key": KEY}, description)
+
+
+def redis_auth() -> Schema:
+    return obj(
+        {
+            "enabled": boolean(),
+            "existingSecret": string(),
+            "key": KEY,
+            "username": {"type": "string", "pattern": "^[A-Za-z0-9._-]*$"},
+            "aclRules": {"type": "string", "minLength": 1},
+        },
+        "Redis password (from a Secret) and the least-privilege ACL user",
+    )
+
+
+def tls() -> Schema:
+    tier_secret = obj({"secretName": string()}, "a tier's TLS Secret")
+    return obj(
+        {
+            "enabled": boolean(),
+            "serverName": {"type": "string", "pattern": "^$|^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$"},
+            "coordinator": obj(
+                {"secretName": string(), "workerClientSecretName": string()},
+                "the coordinator's TLS Secrets",
+            ),
+            "draftWorker": tier_secret,
+            "targetWorker": tier_secret,
+            "caSecret": secret_key("the cluster CA from a Secret of its own"),
+            "clientCA": obj(
+                {"enabled": boolean(), "secretName": string(), "key": KEY},
+                "client certificates on the public API",
+            ),
+            "certManager": obj(
+                {
+                    "enabled": boolean(),
+                    "issuerRef": obj(
+                        {
+                            "name": string(),
+                            "kind": string(["Issuer", "ClusterIssuer"]),
+                            "group": KEY,
+                        }
+                    ),
+                    "caSecretName": string(),
+                    "duration": DURATION,
+                    "renewBefore": DURATION,
+                    "clusterDomain": KEY,
+                    "privateKey": obj(
+                        {
+                            "algorithm": string(["ECDSA", "RSA", "Ed25519"]),
+                            "size": integer(256),
+                            "rotationPolicy": string(["Always", "Never"]),
+                        }
+                    ),
+                    "coordinatorDnsNames": {"type": "array", "items": KEY},
+                },
+                "cert-manager Certificates of the three tiers",
+            ),
+        },
+        "TLS and mutual TLS of the three tiers",
+    )
+
+
+def network_policy() -> Schema:
+    return obj(
+        {
+            "enabled": boolean(),
+            "clients": k8s_list("NetworkPolicyPeers that may call the coordinator; [] = any"),
+            "prometheus": k8s_list("NetworkPolicyPeers that may scrape metrics; [] = any"),
+            "dns": k8s_list("NetworkPolicyPeers serving DNS on port 53; [] = any"),
+            "redisEgress": k8s_list("NetworkPolicyPeers of an external Redis; [] = any"),
+            "redisEgressPort": integer(1, 65535, nullable=True),
+        },
+        "NetworkPolicies: default deny plus the tiers' flows",
+    )
+
+
 def redis() -> Schema:
     return obj(
         {
             "enabled": boolean(),
             "externalUrl": {"type": "string", "pattern": "^$|^(redis|rediss|unix)://"},
             "externalUrlSecret": obj({"name": string(), "key": {"type": "string", "minLength": 1}}),
+            "auth": redis_auth(),
+            "caSecret": secret_key("CA of an external rediss:// Redis"),
             "database": integer(0, 15),
             "image": obj(
                 {
@@ -316,6 +402,13 @@ def values_schema() -> Schema:
                     ),
                 }
             ),
+            "reflection": boolean(),
+            "tls": tls(),
+            "apiKeys": obj(
+                {"enabled": boolean(), "existingSecret": string(), "key": KEY},
+                "API keys on the public API, from a Secret",
+            ),
+            "networkPolicy": network_policy(),
             "coordinator": coordinator(),
             "draftWorker": worker("draft worker tier", "draft"),
             "targetWorker": worker("target worker tier", "target"),

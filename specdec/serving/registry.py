@@ -37,7 +37,6 @@ REDIS_ACL = (
     "+auth",
     "+ping",
     "+select",
-    "+client|setinfo",
     "+get",
     "+set",
     "+del",
@@ -53,9 +52,7 @@ REDIS_ACL = (
     "+scan",
     "+multi",
     "+exec",
-    "+discard",
     "+evalsha",
-    "+eval",
     "+script|load",
     "+script|exists",
 )

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import copy
+import dataclasses
+import datetime
 import importlib.util
+import ipaddress
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -99,6 +106,12 @@ def test_default_render_has_exactly_the_expected_kinds_per_tier(chart):
     expected[("redis", "Deployment")] = 1
     expected[("redis", "Service")] = 1
     expected[(None, "ServiceAccount")] = 1
+    # Secure defaults: the generated Redis password, one NetworkPolicy per tier and Redis,
+    # and the release-wide default deny.
+    expected[("redis", "Secret")] = 1
+    for comp in (*TIERS, "redis"):
+        expected[(comp, "NetworkPolicy")] = 1
+    expected[(None, "NetworkPolicy")] = 1
     assert kinds == expected
 
 
@@ -282,7 +295,8 @@ def test_in_cluster_redis_is_wired_by_default(chart):
     service = find(objects, "Service", "redis")
     redis = container(objects, "redis")
     assert redis["image"] == "redis:7"
-    url = f"redis://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
+    # The services log in as the least-privilege ACL user; the password comes separately.
+    url = f"redis://specdec@{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
     for comp in TIERS:
         assert env(objects, comp)["SPECDEC_REDIS_URL"] == url
 
@@ -472,6 +486,9 @@ def test_worked_gpu_example_renders_as_documented(chart):
         "secretKeyRef": {"name": "specdec-redis", "key": "url"}
     }
     assert [o for o in objects if component(o) == "redis"] == []
+    # The URL Secret carries the password; the policies open the external Redis's port.
+    assert "SPECDEC_REDIS_PASSWORD" not in env(objects, "coordinator")
+    assert ("coordinator", "external-redis", 6380, "TCP") in allowed_flows(objects)
 
 
 def test_long_release_names_keep_resource_names_within_dns_limits(chart):
@@ -486,3 +503,714 @@ def test_long_release_names_keep_resource_names_within_dns_limits(chart):
     assert max(len(o["metadata"]["name"]) for o in objects) <= 63
     deployments = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"}
     assert len(deployments) == 4  # truncation keeps the tiers apart
+
+
+# --- Security: NetworkPolicies -----------------------------------------------------------
+#
+# A small NetworkPolicy evaluator: which (from, to, port, protocol) flows do the rendered
+# policies allow between the release's pods and a few stand-ins for the rest of the world?
+# A flow needs both an egress allowance at its source and an ingress allowance at its
+# destination; a pod that no policy of a direction selects is open in that direction.
+
+NS_NAME = "kubernetes.io/metadata.name"
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    name: str
+    namespace: str | None  # None: outside the cluster (reached by ipBlock only)
+    labels: dict[str, str]
+    ip: str
+    ports: tuple[tuple[int, str], ...]  # what it listens on: (port, protocol)
+    release: bool = False
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+# Stand-ins for everything that is not a pod of the release.
+OUTSIDERS = (
+    Endpoint("client", "apps", {"app": "web"}, "10.244.9.1", ((443, "TCP"),)),
+    Endpoint("same-namespace-pod", NAMESPACE, {"app": "other"}, "10.244.9.2", ((443, "TCP"),)),
+    Endpoint(
+        "other-release-pod",
+        NAMESPACE,
+        {"app.kubernetes.io/name": "specdec", "app.kubernetes.io/instance": "other"},
+        "10.244.9.3",
+        ((443, "TCP"),),
+    ),
+    Endpoint(
+        "prometheus",
+        "monitoring",
+        {"app.kubernetes.io/name": "prometheus"},
+        "10.244.9.4",
+        ((9090, "TCP"),),
+    ),
+    Endpoint(
+        "kube-dns", "kube-system", {"k8s-app": "kube-dns"}, "10.96.0.10", ((53, "UDP"), (53, "TCP"))
+    ),
+    Endpoint("internet", None, {}, "203.0.113.7", ((443, "TCP"),)),
+    Endpoint("external-redis", None, {}, "10.20.0.5", ((6379, "TCP"), (6380, "TCP"))),
+)
+OUTSIDER_NAMES = {o.name for o in OUTSIDERS}
+
+
+def endpoints(objects: list[dict[str, Any]]) -> list[Endpoint]:
+    """The release's pods (one per Deployment, listening on its container ports) and OUTSIDERS."""
+    pods = []
+    for n, deployment in enumerate(o for o in objects if o["kind"] == "Deployment"):
+        template = deployment["spec"]["template"]
+        ports = tuple(
+            (p["containerPort"], p.get("protocol", "TCP"))
+            for c in template["spec"]["containers"]
+            for p in c.get("ports", [])
+        )
+        pods.append(
+            Endpoint(
+                component(deployment),
+                deployment["metadata"]["namespace"],
+                template["metadata"]["labels"],
+                f"10.244.0.{n + 1}",
+                ports,
+                release=True,
+            )
+        )
+    return pods + list(OUTSIDERS)
+
+
+def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """A LabelSelector: matchLabels and matchExpressions; {} selects everything."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator = expression["key"], expression["operator"]
+        if operator in ("In", "NotIn"):
+            ok = (labels.get(key) in expression["values"]) == (operator == "In")
+        else:
+            ok = (key in labels) == (operator == "Exists")
+        if not ok:
+            return False
+    return True
+
+
+def peer_matches(peer: dict[str, Any], policy_namespace: str, other: Endpoint) -> bool:
+    """A NetworkPolicyPeer. ipBlock matches by address (pods included: an over-approximation);
+    pod/namespace selectors match pods only, in the policy's namespace unless a
+    namespaceSelector says otherwise."""
+    if "ipBlock" in peer:
+        block = peer["ipBlock"]
+        address = ipaddress.ip_address(other.ip)
+        return address in ipaddress.ip_network(block["cidr"]) and not any(
+            address in ipaddress.ip_network(e) for e in block.get("except", [])
+        )
+    if other.namespace is None:
+        return False
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], {NS_NAME: other.namespace}):
+            return False
+    elif other.namespace != policy_namespace:
+        return False
+    return selects(peer.get("podSelector"), other.labels)
+
+
+def port_matches(ports: list[dict[str, Any]] | None, port: int, protocol: str) -> bool:
+    if not ports:
+        return True  # no ports listed: every port
+    for entry in ports:
+        if entry.get("protocol", "TCP") != protocol:
+            continue
+        if "port" not in entry:
+            return True
+        assert isinstance(entry["port"], int), "the evaluator takes numeric ports only"
+        if entry["port"] <= port <= entry.get("endPort", entry["port"]):
+            return True
+    return False
+
+
+def policy_types(policy: dict[str, Any]) -> list[str]:
+    spec = policy["spec"]
+    return spec.get("policyTypes") or ["Ingress"] + (["Egress"] if "egress" in spec else [])
+
+
+def direction_allows(
+    policies, pod: Endpoint, direction: str, other: Endpoint, port: int, protocol: str
+) -> bool:
+    """Whether `pod` may send to (Egress) or receive from (Ingress) `other` on port/protocol."""
+    selecting = [
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == pod.namespace
+        and selects(p["spec"]["podSelector"], pod.labels)
+        and direction in policy_types(p)
+    ]
+    if not selecting:
+        return True
+    rules, peers = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    return any(
+        (
+            not rule.get(peers)
+            or any(peer_matches(x, p["metadata"]["namespace"], other) for x in rule[peers])
+        )
+        and port_matches(rule.get("ports"), port, protocol)
+        for p in selecting
+        for rule in p["spec"].get(rules) or []
+    )
+
+
+def allowed_flows(objects: list[dict[str, Any]]) -> set[tuple[str, str, int, str]]:
+    """Every (from, to, port, protocol) the NetworkPolicies allow that involves a release pod."""
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    everyone = endpoints(objects)
+    flows = set()
+    for source in everyone:
+        for target in everyone:
+            if not (source.release or target.release):
+                continue
+            for port, protocol in target.ports:
+                if direction_allows(
+                    policies, source, "Egress", target, port, protocol
+                ) and direction_allows(policies, target, "Ingress", source, port, protocol):
+                    flows.add((source.name, target.name, port, protocol))
+    return flows
+
+
+def documented_flows(
+    clients=OUTSIDER_NAMES, redis: tuple[str, int] = ("redis", 6379)
+) -> set[tuple[str, str, int, str]]:
+    """The flow table of deploy/README.md ("Security"): clients -> coordinator gRPC;
+    coordinator -> worker gRPC; the three tiers -> Redis and DNS; Prometheus -> metrics."""
+    flows = {(c, "coordinator", 50051, "TCP") for c in clients}
+    flows |= {("coordinator", "draft-worker", 50061, "TCP")}
+    flows |= {("coordinator", "target-worker", 50071, "TCP")}
+    for comp, (_, _, metrics_port, _) in TIERS.items():
+        flows.add((comp, redis[0], redis[1], "TCP"))
+        flows.add(("prometheus", comp, metrics_port, "TCP"))
+        flows |= {(comp, "kube-dns", 53, "UDP"), (comp, "kube-dns", 53, "TCP")}
+    return flows
+
+
+def policies_of(objects):
+    return {component(o): o for o in objects if o["kind"] == "NetworkPolicy"}
+
+
+def test_network_policies_allow_exactly_the_documented_flows(chart):
+    flows = allowed_flows(render(chart))
+    assert flows == documented_flows()
+    # Spelled out: nothing reaches a worker but the coordinator (and Prometheus on metrics),
+    # nothing but the tiers reaches Redis, and no pod reaches the internet.
+    assert {(s, p) for s, t, p, _ in flows if t == "target-worker"} == {
+        ("coordinator", 50071),
+        ("prometheus", 9092),
+    }
+    assert {s for s, t, _, _ in flows if t == "redis"} == set(TIERS)
+    assert not {f for f in flows if f[1] == "internet" or f[0] == "redis"}
+
+
+def test_network_policies_follow_clients_and_an_external_redis(chart):
+    values = {
+        "redis": {"enabled": False, "externalUrl": "rediss://:pw@cache.example:6380/0"},
+        "networkPolicy": {
+            "clients": [{"namespaceSelector": {"matchLabels": {NS_NAME: "apps"}}}],
+            "redisEgress": [{"ipBlock": {"cidr": "10.20.0.0/24"}}],
+        },
+    }
+    flows = allowed_flows(render(chart, values))
+    assert flows == documented_flows(clients={"client"}, redis=("external-redis", 6380))
+
+    values["networkPolicy"]["redisEgressPort"] = 6379  # an explicit port wins over the URL's
+    flows = allowed_flows(render(chart, values))
+    assert flows == documented_flows(clients={"client"}, redis=("external-redis", 6379))
+
+
+def test_metrics_port_off_closes_its_ingress(chart):
+    flows = allowed_flows(render(chart, {"coordinator": {"metricsPort": 0}}))
+    assert flows == documented_flows() - {("prometheus", "coordinator", 9090, "TCP")}
+
+
+def test_the_evaluator_notices_a_missing_policy_or_an_extra_flow(chart):
+    objects = render(chart)
+    expected = documented_flows()
+    assert allowed_flows(objects) == expected
+    named = policies_of(objects)
+    # Removing any tier's policy leaves its pods under the default deny: its flows vanish.
+    for comp in (*TIERS, "redis"):
+        without = [o for o in objects if o is not named[comp]]
+        lost = expected - allowed_flows(without)
+        assert lost and all(comp in (f[0], f[1]) for f in lost), comp
+    # Without the default deny as well, a tier is wide open (e.g. to the internet).
+    open_ = [o for o in objects if o not in (named[None], named["coordinator"])]
+    assert ("coordinator", "internet", 443, "TCP") in allowed_flows(open_)
+    # An extra flow needs both ends: egress alone is not enough, egress + ingress is.
+    extra = copy.deepcopy(objects)
+    extra_named = policies_of(extra)
+    to_target = {
+        "to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "target-worker"}}}],
+        "ports": [{"port": 50071, "protocol": "TCP"}],
+    }
+    extra_named["draft-worker"]["spec"]["egress"].append(to_target)
+    assert allowed_flows(extra) == expected
+    from_draft = {
+        "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "draft-worker"}}}],
+        "ports": [{"port": 50071, "protocol": "TCP"}],
+    }
+    extra_named["target-worker"]["spec"]["ingress"].append(from_draft)
+    assert allowed_flows(extra) - expected == {("draft-worker", "target-worker", 50071, "TCP")}
+
+
+def test_default_deny_selects_every_pod_of_the_release_both_ways(chart):
+    objects = render(chart)
+    deny = policies_of(objects)[None]
+    assert deny["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert "ingress" not in deny["spec"] and "egress" not in deny["spec"]
+    pods = [e for e in endpoints(objects) if e.release]
+    assert {p.name for p in pods} == {*TIERS, "redis"}
+    assert all(selects(deny["spec"]["podSelector"], p.labels) for p in pods)
+    # ... and nothing outside the release, not even another release of the chart.
+    assert not any(selects(deny["spec"]["podSelector"], o.labels) for o in OUTSIDERS)
+    # Every tier policy also covers both directions (Redis: no egress rule at all).
+    for comp, policy in policies_of(objects).items():
+        assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"], comp
+    assert policies_of(objects)["redis"]["spec"]["egress"] == []
+
+
+def test_the_evaluator_reads_selectors_and_ip_blocks_like_kubernetes():
+    pod = Endpoint("p", "apps", {"tier": "web"}, "10.244.9.9", ((80, "TCP"),))
+    assert selects({}, pod.labels) and selects(None, pod.labels)
+    assert selects(
+        {"matchExpressions": [{"key": "tier", "operator": "In", "values": ["web"]}]}, pod.labels
+    )
+    assert not selects(
+        {"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["web"]}]}, pod.labels
+    )
+    assert selects({"matchExpressions": [{"key": "x", "operator": "DoesNotExist"}]}, pod.labels)
+    assert not selects({"matchExpressions": [{"key": "x", "operator": "Exists"}]}, pod.labels)
+    # A bare podSelector stays in the policy's namespace; a namespaceSelector leaves it.
+    assert not peer_matches({"podSelector": {}}, NAMESPACE, pod)
+    assert peer_matches({"namespaceSelector": {"matchLabels": {NS_NAME: "apps"}}}, NAMESPACE, pod)
+    assert peer_matches({"ipBlock": {"cidr": "10.244.0.0/16"}}, NAMESPACE, pod)
+    assert not peer_matches(
+        {"ipBlock": {"cidr": "10.244.0.0/16", "except": ["10.244.9.0/24"]}}, NAMESPACE, pod
+    )
+    assert port_matches([{"port": 50, "endPort": 90}], 80, "TCP")
+    assert not port_matches([{"port": 80, "protocol": "UDP"}], 80, "TCP")
+
+
+def test_lint_is_clean_with_every_security_feature_on():
+    values = copy.deepcopy(TLS_VALUES)
+    values["redis"] = {"auth": {"existingSecret": "corp-redis"}}
+    report = helm.lint(CHART_DIR, values, strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_network_policies_can_be_turned_off(chart):
+    objects = render(chart, {"networkPolicy": {"enabled": False}})
+    assert not [o for o in objects if o["kind"] == "NetworkPolicy"]
+
+
+# --- Security: TLS, cert-manager, API keys, reflection -----------------------------------
+
+TLS_DIR = "/etc/specdec/tls"
+TLS_VALUES = {
+    "tls": {
+        "enabled": True,
+        "serverName": "workers.specdec.internal",
+        "clientCA": {"enabled": True},
+        "certManager": {"enabled": True, "caSecretName": "specdec-ca"},
+    },
+    "apiKeys": {"enabled": True, "existingSecret": "specdec-api-keys"},
+}
+
+
+def pod_spec(objects, comp: str) -> dict[str, Any]:
+    return find(objects, "Deployment", comp)["spec"]["template"]["spec"]
+
+
+def mounted_secret(objects, comp: str, path: str) -> str:
+    """The Secret behind the file `path` of a tier's container: it must sit directly in a
+    read-only mount of a whole Secret volume (no subPath, or rotation would not reach it)."""
+    mounts = [
+        m for m in container(objects, comp)["volumeMounts"] if path.startswith(m["mountPath"] + "/")
+    ]
+    assert len(mounts) == 1, f"{comp}: {path} is in no mount"
+    mount = mounts[0]
+    assert "subPath" not in mount and "subPathExpr" not in mount
+    assert mount["readOnly"] is True
+    assert "/" not in path[len(mount["mountPath"]) + 1 :]  # a key of the Secret itself
+    volume = next(v for v in pod_spec(objects, comp)["volumes"] if v["name"] == mount["name"])
+    return volume["secret"]["secretName"]
+
+
+def test_tls_is_off_by_default(chart):
+    objects = render(chart)
+    for comp in TIERS:
+        assert not [n for n in env(objects, comp) if "TLS" in n or n == "SPECDEC_API_KEYS_FILE"]
+        assert not [v for v in pod_spec(objects, comp)["volumes"] if "secret" in v]
+    assert not [o for o in objects if o["kind"] in ("Certificate", "Issuer")]
+
+
+def test_tls_env_points_at_the_mounted_secret_files(chart):
+    objects = render(chart, TLS_VALUES)
+    for comp in TIERS:
+        variables = env(objects, comp)
+        assert variables["SPECDEC_TLS_CERT"] == f"{TLS_DIR}/tls.crt"
+        assert variables["SPECDEC_TLS_KEY"] == f"{TLS_DIR}/tls.key"
+        assert variables["SPECDEC_TLS_CA"] == f"{TLS_DIR}/ca.crt"
+        for name in ("SPECDEC_TLS_CERT", "SPECDEC_TLS_KEY", "SPECDEC_TLS_CA"):
+            assert mounted_secret(objects, comp, variables[name]) == f"{RELEASE}-specdec-{comp}-tls"
+        # Every mounted file the services read comes from a whole-Secret mount.
+        for value in variables.values():
+            if isinstance(value, str) and value.startswith("/etc/specdec/"):
+                mounted_secret(objects, comp, value)
+        if comp != "coordinator":
+            assert not {
+                "SPECDEC_WORKER_TLS_CERT",
+                "SPECDEC_TLS_SERVER_NAME",
+                "SPECDEC_API_KEYS_FILE",
+            } & set(variables)
+    coordinator = env(objects, "coordinator")
+    assert coordinator["SPECDEC_WORKER_TLS_CERT"] == f"{TLS_DIR}/tls.crt"
+    assert coordinator["SPECDEC_WORKER_TLS_KEY"] == f"{TLS_DIR}/tls.key"
+    assert coordinator["SPECDEC_TLS_SERVER_NAME"] == "workers.specdec.internal"
+    assert coordinator["SPECDEC_TLS_CLIENT_CA"] == f"{TLS_DIR}/ca.crt"  # default: the cluster CA
+
+
+def test_tls_separate_secrets_for_the_worker_client_cert_and_the_cas(chart):
+    values = {
+        "tls": {
+            "enabled": True,
+            "coordinator": {"secretName": "coord-cert", "workerClientSecretName": "coord-client"},
+            "targetWorker": {"secretName": "target-cert"},
+            "caSecret": {"name": "trust-bundle", "key": "bundle.pem"},
+            "clientCA": {"enabled": True, "secretName": "partner-ca", "key": "ca.pem"},
+        }
+    }
+    objects = render(chart, values)
+    coordinator = env(objects, "coordinator")
+    expected = {
+        "SPECDEC_TLS_CERT": "coord-cert",
+        "SPECDEC_WORKER_TLS_CERT": "coord-client",
+        "SPECDEC_WORKER_TLS_KEY": "coord-client",
+        "SPECDEC_TLS_CA": "trust-bundle",
+        "SPECDEC_TLS_CLIENT_CA": "partner-ca",
+    }
+    for name, secret in expected.items():
+        assert mounted_secret(objects, "coordinator", coordinator[name]) == secret, name
+    assert coordinator["SPECDEC_TLS_CA"].endswith("/bundle.pem")
+    assert coordinator["SPECDEC_TLS_CLIENT_CA"].endswith("/ca.pem")
+    assert coordinator["SPECDEC_TLS_SERVER_NAME"] == f"{RELEASE}-specdec-worker"  # the default
+    target = env(objects, "target-worker")
+    assert mounted_secret(objects, "target-worker", target["SPECDEC_TLS_CERT"]) == "target-cert"
+    assert mounted_secret(objects, "target-worker", target["SPECDEC_TLS_CA"]) == "trust-bundle"
+    draft = env(objects, "draft-worker")
+    assert (
+        mounted_secret(objects, "draft-worker", draft["SPECDEC_TLS_KEY"])
+        == f"{RELEASE}-specdec-draft-worker-tls"
+    )
+
+
+def test_tls_probes_check_grpc_health_over_tls_inside_the_container(chart):
+    """The kubelet's gRPC probe cannot speak TLS, so with TLS on each probe execs a health
+    check that presents the pod's own certificate and expects the tier's certificate name."""
+    objects = render(chart, TLS_VALUES)
+    for comp, (_, port, *_) in TIERS.items():
+        main = container(objects, comp)
+        variables = env(objects, comp)
+        name = (
+            "workers.specdec.internal"
+            if comp != "coordinator"
+            else f"{RELEASE}-specdec-coordinator"
+        )
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            command = main[probe]["exec"]["command"]
+            assert command[:2] == ["python", "-c"] and "grpc" not in main[probe]
+            assert command[3:8] == [
+                str(port),
+                variables["SPECDEC_TLS_CA"],
+                variables["SPECDEC_TLS_CERT"],
+                variables["SPECDEC_TLS_KEY"],
+                name,
+            ]
+            assert float(command[8]) < main[probe]["timeoutSeconds"]
+
+
+def _issue(directory: Path, name: str, ca=None, hosts=("localhost",)):
+    """A P-256 certificate for `hosts` (server and client use), self-signed CA when ca is None."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca[1].subject if ca else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca is None, path_length=None), critical=True)
+    )
+    if ca:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(h) for h in hosts]), critical=False
+        ).add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+    cert = builder.sign(ca[0] if ca else key, hashes.SHA256())
+    (directory / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / f"{name}.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return key, cert
+
+
+def test_rendered_tls_probe_passes_only_against_a_serving_mutual_tls_port(chart, tmp_path):
+    """Run the rendered probe command against a real mutual-TLS gRPC health server."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    ca = _issue(tmp_path, "ca")
+    _issue(tmp_path, "tls", ca, hosts=["workers.specdec.internal"])
+    (tmp_path / "ca.crt").rename(tmp_path / "cluster-ca.crt")
+    read = lambda name: (tmp_path / name).read_bytes()  # noqa: E731
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    credentials = grpc.ssl_server_credentials(
+        [(read("tls.key"), read("tls.crt"))],
+        root_certificates=read("cluster-ca.crt"),
+        require_client_auth=True,
+    )
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        command = container(render(chart, TLS_VALUES), "target-worker")["readinessProbe"]["exec"][
+            "command"
+        ]
+        files = {"ca.crt": "cluster-ca.crt", "tls.crt": "tls.crt", "tls.key": "tls.key"}
+        local = (
+            [sys.executable, command[1], command[2], str(port)]
+            + [str(tmp_path / files[Path(arg).name]) for arg in command[4:7]]
+            + command[7:]
+        )
+
+        def probe(args=local) -> int:
+            return subprocess.run(args, capture_output=True, timeout=60).returncode
+
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert probe() != 0
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert probe() == 0
+        assert probe([*local[:7], "someone-else", local[8]]) != 0  # name checked
+    finally:
+        server.stop(None)
+
+
+def test_cert_manager_certificates_carry_the_server_name_and_service_names(chart):
+    objects = render(chart, TLS_VALUES)
+    issuer = next(o for o in objects if o["kind"] == "Issuer")
+    assert issuer["spec"] == {"ca": {"secretName": "specdec-ca"}}
+    certificates = {component(o): o for o in objects if o["kind"] == "Certificate"}
+    assert set(certificates) == set(TIERS)
+    for comp, certificate in certificates.items():
+        spec = certificate["spec"]
+        service = find(objects, "Service", comp)["metadata"]["name"]
+        service_names = [
+            service,
+            f"{service}.{NAMESPACE}",
+            f"{service}.{NAMESPACE}.svc",
+            f"{service}.{NAMESPACE}.svc.cluster.local",
+        ]
+        assert set(service_names) <= set(spec["dnsNames"])
+        # Worker certificates carry the name the coordinator checks; the coordinator's does
+        # not (it would let the coordinator's key impersonate a worker).
+        assert ("workers.specdec.internal" in spec["dnsNames"]) == (comp != "coordinator")
+        assert spec["secretName"] == mounted_secret(
+            objects, comp, env(objects, comp)["SPECDEC_TLS_CERT"]
+        )
+        assert {"server auth", "client auth"} <= set(spec["usages"])
+        assert (spec["duration"], spec["renewBefore"]) == ("2160h", "360h")
+        assert spec["issuerRef"] == {
+            "name": issuer["metadata"]["name"],
+            "kind": "Issuer",
+            "group": "cert-manager.io",
+        }
+        assert spec["privateKey"]["rotationPolicy"] == "Always"
+
+    values = copy.deepcopy(TLS_VALUES)
+    values["tls"]["certManager"] = {
+        "enabled": True,
+        "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"},
+        "duration": "720h",
+        "renewBefore": "240h",
+        "coordinatorDnsNames": ["api.example.com"],
+    }
+    objects = render(chart, values)
+    assert not [o for o in objects if o["kind"] == "Issuer"]
+    coordinator = find(objects, "Certificate", "coordinator")["spec"]
+    assert coordinator["issuerRef"] == {
+        "name": "corp-ca",
+        "kind": "ClusterIssuer",
+        "group": "cert-manager.io",
+    }
+    assert "api.example.com" in coordinator["dnsNames"]
+    assert (coordinator["duration"], coordinator["renewBefore"]) == ("720h", "240h")
+
+
+def test_cert_manager_needs_an_issuer_or_a_ca(chart):
+    with pytest.raises(helm.HelmRenderError, match="caSecretName"):
+        render(chart, {"tls": {"enabled": True, "certManager": {"enabled": True}}})
+
+
+def test_api_keys_file_is_mounted_and_passed_to_the_coordinator_only(chart):
+    objects = render(chart, {"apiKeys": {"enabled": True, "existingSecret": "keys", "key": "k"}})
+    path = env(objects, "coordinator")["SPECDEC_API_KEYS_FILE"]
+    assert path == "/etc/specdec/api-keys/k"
+    assert mounted_secret(objects, "coordinator", path) == "keys"
+    for comp in ("draft-worker", "target-worker"):
+        assert "SPECDEC_API_KEYS_FILE" not in env(objects, comp)
+    assert "SPECDEC_API_KEYS_FILE" not in env(render(chart), "coordinator")
+    with pytest.raises(helm.HelmError, match="existingSecret"):
+        render(chart, {"apiKeys": {"enabled": True}})
+
+
+def test_reflection_is_off_unless_asked_for(chart):
+    for comp in TIERS:
+        assert env(render(chart), comp).get("SPECDEC_REFLECTION", "false") == "false"
+        assert env(render(chart, {"reflection": True}), comp)["SPECDEC_REFLECTION"] == "true"
+
+
+# --- Security: Redis authentication ------------------------------------------------------
+
+
+def redis_secret(objects) -> dict[str, Any]:
+    return find(objects, "Secret", "redis")
+
+
+def test_bundled_redis_takes_its_password_from_the_generated_secret(chart):
+    objects = render(chart)
+    secret = redis_secret(objects)
+    name = secret["metadata"]["name"]
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
+    redis = container(objects, "redis")
+    ref = {"secretKeyRef": {"name": name, "key": "password"}}
+    assert env(objects, "redis") == {"REDIS_PASSWORD": ref, "REDISCLI_AUTH": ref}
+    # The password never appears in the pod spec: only $(REDIS_PASSWORD), expanded by Kubernetes.
+    deployment = yaml.safe_dump(find(objects, "Deployment", "redis"))
+    assert password not in deployment
+    args = redis["args"]
+    assert [a for a in args if "REDIS_PASSWORD" in a] == [">$(REDIS_PASSWORD)"]
+    assert "--requirepass" not in args
+    # The specdec ACL user; the default user (all commands) is off.
+    assert args[args.index("--user") : args.index("--user") + 3] == ["--user", "default", "off"]
+    user = args[len(args) - args[::-1].index("--user") :]
+    assert user[:3] == ["specdec", "on", ">$(REDIS_PASSWORD)"]
+    assert user[3:] == chart.values["redis"]["auth"]["aclRules"].split()
+    assert "redis-cli -p 6379 --user specdec" in " ".join(
+        redis["readinessProbe"]["exec"]["command"]
+    )
+    for comp in TIERS:
+        assert env(objects, comp)["SPECDEC_REDIS_PASSWORD"] == ref
+        assert env(objects, comp)["SPECDEC_REDIS_URL"].startswith("redis://specdec@")
+    for obj in objects:
+        if obj is not secret:
+            assert password not in yaml.safe_dump(obj)
+
+
+def test_redis_password_from_an_existing_secret(chart):
+    objects = render(chart, {"redis": {"auth": {"existingSecret": "corp-redis", "key": "pw"}}})
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    ref = {"secretKeyRef": {"name": "corp-redis", "key": "pw"}}
+    assert env(objects, "redis")["REDIS_PASSWORD"] == ref
+    for comp in TIERS:
+        assert env(objects, comp)["SPECDEC_REDIS_PASSWORD"] == ref
+
+
+def test_redis_without_acl_user_uses_requirepass(chart):
+    objects = render(chart, {"redis": {"auth": {"username": ""}}})
+    args = container(objects, "redis")["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert "--user" not in args
+    assert (
+        env(objects, "coordinator")["SPECDEC_REDIS_URL"]
+        == f"redis://{RELEASE}-specdec-redis:6379/0"
+    )
+
+
+def test_redis_auth_can_be_turned_off(chart):
+    objects = render(chart, {"redis": {"auth": {"enabled": False}}})
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    assert "env" not in container(objects, "redis")
+    assert not {"--requirepass", "--user"} & set(container(objects, "redis")["args"])
+    for comp in TIERS:
+        assert "SPECDEC_REDIS_PASSWORD" not in env(objects, comp)
+
+
+def test_external_redis_gets_the_password_secret_and_its_ca(chart):
+    values = {
+        "redis": {
+            "enabled": False,
+            "externalUrl": "rediss://specdec@cache.example:6380/0",
+            "auth": {"existingSecret": "cache-pw"},
+            "caSecret": {"name": "cache-ca"},
+        }
+    }
+    objects = render(chart, values)
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    for comp in TIERS:
+        variables = env(objects, comp)
+        assert variables["SPECDEC_REDIS_PASSWORD"] == {
+            "secretKeyRef": {"name": "cache-pw", "key": "password"}
+        }
+        assert variables["SPECDEC_REDIS_CA"] == "/etc/specdec/redis-ca/ca.crt"
+        assert mounted_secret(objects, comp, variables["SPECDEC_REDIS_CA"]) == "cache-ca"
+    # Without a password Secret the URL (e.g. externalUrlSecret) carries the credentials.
+    values["redis"]["auth"] = {"existingSecret": ""}
+    assert "SPECDEC_REDIS_PASSWORD" not in env(render(chart, values), "coordinator")
+
+
+LUA_CALL = re.compile(r"redis\.call\('(\w+)'")
+# Commands redis-py sends for the client-side calls of coordinator/store.py and
+# specdec/serving/registry.py: register_script -> EVALSHA (SCRIPT LOAD on NOSCRIPT, SCRIPT
+# EXISTS + LOAD in pipelines; never EVAL); pipeline(transaction=True) -> MULTI/EXEC (no
+# DISCARD: nothing calls it); hgetall, lrange, get, set (cancel, heartbeat), delete -> DEL,
+# scan_iter -> SCAN.
+CLIENT_COMMANDS = {
+    "evalsha", "script|load", "script|exists", "multi", "exec",
+    "hgetall", "lrange", "get", "set", "del", "scan",
+}  # fmt: skip
+# On connect: AUTH (HELLO with RESP3), SELECT for a database other than 0; PING: the probe.
+CONNECTION_COMMANDS = {"hello", "auth", "ping", "select"}
+
+
+def test_redis_acl_grants_exactly_the_commands_specdec_issues(chart):
+    from specdec.serving.registry import REDIS_ACL
+
+    store = (REPO / "coordinator" / "store.py").read_text()
+    lua = {name.lower() for name in LUA_CALL.findall(store)}
+    assert {"hset", "rpush", "hincrby", "pexpire"} <= lua  # the scripts were found
+    rules = chart.values["redis"]["auth"]["aclRules"].split()
+    assert rules[:4] == ["resetkeys", "~specdec:*", "resetchannels", "-@all"]
+    assert all(r.startswith("+") and "@" not in r for r in rules[4:])  # commands, no categories
+    assert {r[1:] for r in rules[4:]} == lua | CLIENT_COMMANDS | CONNECTION_COMMANDS
+    # Never more than the project's documented user (specdec/serving/registry.py), which the
+    # service tests run every store and registry operation as.
+    assert set(rules) <= set(REDIS_ACL)
+    assert 'PREFIX = "specdec:' in store  # every key is under the ACL's key pattern
+    registry = (REPO / "specdec" / "serving" / "registry.py").read_text()
+    assert 'PREFIX = "specdec:' in registry

@@ -101,12 +101,19 @@ the matching --kebab-case flag. Null and "" values are skipped (program default)
 {{- end }}
 {{- end }}
 
-{{/* SPECDEC_REDIS_URL: in-cluster Redis, an external Secret, or redis.externalUrl. */}}
+{{/*
+SPECDEC_REDIS_URL: in-cluster Redis (as the ACL user redis.auth.username when auth is on),
+an external Secret, or redis.externalUrl.
+*/}}
 {{- define "specdec.redisUrlEnv" -}}
 {{- $redis := .Values.redis }}
 - name: SPECDEC_REDIS_URL
 {{- if $redis.enabled }}
-  value: {{ printf "redis://%s:%d/%d" (include "specdec.componentName" (dict "root" . "component" "redis")) (int $redis.port) (int $redis.database) | quote }}
+  {{- $user := "" }}
+  {{- if and $redis.auth.enabled $redis.auth.username }}
+  {{- $user = printf "%s@" $redis.auth.username }}
+  {{- end }}
+  value: {{ printf "redis://%s%s:%d/%d" $user (include "specdec.componentName" (dict "root" . "component" "redis")) (int $redis.port) (int $redis.database) | quote }}
 {{- else if $redis.externalUrlSecret.name }}
   valueFrom:
     secretKeyRef:
@@ -133,6 +140,22 @@ at the writable /tmp because the root filesystem is read-only.
 - name: SPECDEC_LOG_LEVEL
   value: {{ .tier.logLevel | quote }}
 {{ include "specdec.redisUrlEnv" .root | trim }}
+{{- with include "specdec.redisPasswordSecret" .root }}
+- name: SPECDEC_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.root.Values.redis.auth.key }}
+{{- end }}
+{{- with .root.Values.redis.caSecret.name }}
+- name: SPECDEC_REDIS_CA
+  value: {{ printf "%s/%s" (include "specdec.mountDir" "redis-ca") $.root.Values.redis.caSecret.key | quote }}
+{{- end }}
+- name: SPECDEC_REFLECTION
+  value: {{ ternary "true" "false" (.root.Values.reflection | default false) | quote }}
+{{- with include "specdec.tlsEnv" . | trim }}
+{{ . }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -166,12 +189,39 @@ services report NOT_SERVING until the model is loaded and warm.
 */}}
 {{- define "specdec.grpcProbes" -}}
 {{- $port := int .tier.port }}
+{{- $paths := include "specdec.tlsPaths" . | fromYaml }}
 {{- range $kind := list "startup" "readiness" "liveness" }}
+{{- $timing := index $.tier.probes $kind }}
 {{ $kind }}Probe:
+  {{- if $.root.Values.tls.enabled }}
+  exec:
+    command:
+      - python
+      - -c
+      - {{ include "specdec.tlsProbeScript" $ | quote }}
+      - {{ $port | quote }}
+      - {{ $paths.ca | quote }}
+      - {{ $paths.cert | quote }}
+      - {{ $paths.key | quote }}
+      - {{ $paths.probeServerName | quote }}
+      - {{ max 1 (sub ($timing.timeoutSeconds | default 1 | int) 1) | quote }}
+  {{- else }}
   grpc:
     port: {{ $port }}
-  {{- toYaml (index $.tier.probes $kind) | nindent 2 }}
+  {{- end }}
+  {{- toYaml $timing | nindent 2 }}
 {{- end }}
+{{- end }}
+
+{{/*
+The TLS probe: the kubelet's gRPC probe speaks only plaintext, so with tls.enabled each probe
+runs grpc.health.v1 Check over (mutual) TLS against 127.0.0.1 inside the container,
+presenting the pod's own certificate. Arguments: port, CA, certificate, key, the name the
+server certificate must carry, deadline in seconds (one less than the probe's timeout).
+Exit 0 only when SERVING.
+*/}}
+{{- define "specdec.tlsProbeScript" -}}
+import sys,grpc;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as s;a=sys.argv;r=lambda p:open(p,'rb').read();c=grpc.secure_channel('127.0.0.1:'+a[1],grpc.ssl_channel_credentials(r(a[2]),r(a[4]),r(a[3])),[('grpc.ssl_target_name_override',a[5])]);sys.exit(s.HealthStub(c).Check(h.HealthCheckRequest(),timeout=float(a[6])).status!=h.HealthCheckResponse.SERVING)
 {{- end }}
 
 {{/* resources of a tier plus `gpu.count` GPUs in requests and limits when count > 0. */}}
@@ -286,6 +336,12 @@ a writable /tmp, and the tier's extras.
   {{- end }}
 - name: tmp
   emptyDir: {}
+{{- range $volume := include "specdec.secretVolumes" . | fromYamlArray }}
+- name: {{ $volume.name }}
+  secret:
+    secretName: {{ $volume.secretName }}
+    defaultMode: 0440
+{{- end }}
 {{- with .tier.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -298,6 +354,11 @@ a writable /tmp, and the tier's extras.
   readOnly: true
 - name: tmp
   mountPath: /tmp
+{{- range $volume := include "specdec.secretVolumes" . | fromYamlArray }}
+- name: {{ $volume.name }}
+  mountPath: {{ include "specdec.mountDir" $volume.name }}
+  readOnly: true
+{{- end }}
 {{- with .tier.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
@@ -447,4 +508,190 @@ reset it.
 {{- if not .tier.autoscaling.enabled }}
 replicas: {{ .tier.replicas }}
 {{- end }}
+{{- end }}
+
+{{/*
+Release-wide labels of objects that belong to no single tier (default-deny policy, CA
+Issuer).
+*/}}
+{{- define "specdec.releaseLabels" -}}
+helm.sh/chart: {{ include "specdec.chart" . }}
+app.kubernetes.io/name: {{ include "specdec.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: specdec
+{{- end }}
+
+{{/* Where a secret volume is mounted: /etc/specdec/<volume name>. */}}
+{{- define "specdec.mountDir" -}}
+{{- printf "/etc/specdec/%s" . }}
+{{- end }}
+
+{{/*
+Secret holding the Redis password: redis.auth.existingSecret, else the chart-generated
+"<fullname>-redis-auth" for the bundled Redis; empty when there is none (auth off, or an
+external Redis whose URL carries its credentials).
+*/}}
+{{- define "specdec.redisPasswordSecret" -}}
+{{- $auth := .Values.redis.auth }}
+{{- if $auth.enabled }}
+{{- if $auth.existingSecret }}
+{{- $auth.existingSecret }}
+{{- else if .Values.redis.enabled }}
+{{- include "specdec.componentName" (dict "root" . "component" "redis-auth") }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* values key of a specdec component: coordinator -> coordinator, draft-worker -> draftWorker. */}}
+{{- define "specdec.valuesKey" -}}
+{{- index (dict "coordinator" "coordinator" "draft-worker" "draftWorker" "target-worker" "targetWorker") . }}
+{{- end }}
+
+{{/* TLS Secret of a tier: tls.<tier>.secretName, else the chart's Certificate's "<component name>-tls". */}}
+{{- define "specdec.tlsSecretName" -}}
+{{- $tls := index .root.Values.tls (include "specdec.valuesKey" .component) }}
+{{- $tls.secretName | default (printf "%s-tls" (include "specdec.componentName" .)) }}
+{{- end }}
+
+{{/* The DNS name every worker certificate carries: tls.serverName, else "<fullname>-worker". */}}
+{{- define "specdec.tlsServerName" -}}
+{{- .Values.tls.serverName | default (printf "%s-worker" (include "specdec.fullname" .)) }}
+{{- end }}
+
+{{/*
+Secret volumes of a specdec pod, as a YAML list of {name, secretName}; the volume name is
+also the directory under /etc/specdec. Whole Secrets, never subPath: the kubelet then
+updates the files when the Secret changes, and the services re-read them.
+*/}}
+{{- define "specdec.secretVolumes" -}}
+{{- $values := .root.Values }}
+{{- $volumes := list }}
+{{- if $values.tls.enabled }}
+{{- $volumes = append $volumes (dict "name" "tls" "secretName" (include "specdec.tlsSecretName" .)) }}
+{{- with $values.tls.caSecret.name }}
+{{- $volumes = append $volumes (dict "name" "tls-ca" "secretName" .) }}
+{{- end }}
+{{- if eq .component "coordinator" }}
+{{- with $values.tls.coordinator.workerClientSecretName }}
+{{- $volumes = append $volumes (dict "name" "worker-client-tls" "secretName" .) }}
+{{- end }}
+{{- if and $values.tls.clientCA.enabled $values.tls.clientCA.secretName }}
+{{- $volumes = append $volumes (dict "name" "client-ca" "secretName" $values.tls.clientCA.secretName) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and (eq .component "coordinator") $values.apiKeys.enabled }}
+{{- $volumes = append $volumes (dict "name" "api-keys" "secretName" (required "apiKeys.existingSecret is required when apiKeys.enabled" $values.apiKeys.existingSecret)) }}
+{{- end }}
+{{- with $values.redis.caSecret.name }}
+{{- $volumes = append $volumes (dict "name" "redis-ca" "secretName" .) }}
+{{- end }}
+{{- toYaml $volumes }}
+{{- end }}
+
+{{/*
+File paths of a tier's TLS material, as YAML: cert, key, ca (the cluster CA), and for the
+coordinator workerCert, workerKey, clientCA; probeServerName is the name the probe expects
+on the tier's own certificate.
+*/}}
+{{- define "specdec.tlsPaths" -}}
+{{- $tls := .root.Values.tls }}
+{{- $dir := include "specdec.mountDir" "tls" }}
+{{- $ca := printf "%s/ca.crt" $dir }}
+{{- with $tls.caSecret.name }}
+{{- $ca = printf "%s/%s" (include "specdec.mountDir" "tls-ca") $tls.caSecret.key }}
+{{- end }}
+cert: {{ printf "%s/tls.crt" $dir }}
+key: {{ printf "%s/tls.key" $dir }}
+ca: {{ $ca }}
+{{- if eq .component "coordinator" }}
+{{- $client := $dir }}
+{{- if $tls.coordinator.workerClientSecretName }}
+{{- $client = include "specdec.mountDir" "worker-client-tls" }}
+{{- end }}
+workerCert: {{ printf "%s/tls.crt" $client }}
+workerKey: {{ printf "%s/tls.key" $client }}
+clientCA: {{ ternary (printf "%s/%s" (include "specdec.mountDir" "client-ca") $tls.clientCA.key) $ca (not (empty $tls.clientCA.secretName)) }}
+probeServerName: {{ include "specdec.componentName" . }}
+{{- else }}
+probeServerName: {{ include "specdec.tlsServerName" .root }}
+{{- end }}
+{{- end }}
+
+{{/*
+TLS EnvVars of a tier (none unless tls.enabled): its server certificate and the cluster CA;
+on the coordinator also the client certificate toward the workers, the workers' certificate
+name, the public-API client CA and the API key file.
+*/}}
+{{- define "specdec.tlsEnv" -}}
+{{- $values := .root.Values }}
+{{- if $values.tls.enabled }}
+{{- $paths := include "specdec.tlsPaths" . | fromYaml }}
+- name: SPECDEC_TLS_CERT
+  value: {{ $paths.cert | quote }}
+- name: SPECDEC_TLS_KEY
+  value: {{ $paths.key | quote }}
+- name: SPECDEC_TLS_CA
+  value: {{ $paths.ca | quote }}
+{{- if eq .component "coordinator" }}
+- name: SPECDEC_WORKER_TLS_CERT
+  value: {{ $paths.workerCert | quote }}
+- name: SPECDEC_WORKER_TLS_KEY
+  value: {{ $paths.workerKey | quote }}
+- name: SPECDEC_TLS_SERVER_NAME
+  value: {{ include "specdec.tlsServerName" .root | quote }}
+{{- if $values.tls.clientCA.enabled }}
+- name: SPECDEC_TLS_CLIENT_CA
+  value: {{ $paths.clientCA | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and (eq .component "coordinator") $values.apiKeys.enabled }}
+- name: SPECDEC_API_KEYS_FILE
+  value: {{ printf "%s/%s" (include "specdec.mountDir" "api-keys") $values.apiKeys.key | quote }}
+{{- end }}
+{{- end }}
+
+{{/* A NetworkPolicyPeer selecting one tier's pods of this release. */}}
+{{- define "specdec.podPeer" -}}
+- podSelector:
+    matchLabels:
+      {{- include "specdec.selectorLabels" . | nindent 6 }}
+{{- end }}
+
+{{/*
+An ingress or egress rule: `peers` under `direction` ("from"/"to"; an empty list leaves the
+key out, which allows any peer) and `ports` (a list of {port, protocol}).
+*/}}
+{{- define "specdec.policyRule" -}}
+- ports:
+    {{- range .ports }}
+    - port: {{ .port }}
+      protocol: {{ .protocol | default "TCP" }}
+    {{- end }}
+  {{- with .peers }}
+  {{ $.direction }}:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+
+{{/* Egress rules every specdec tier needs: Redis (bundled pod or redisEgress) and DNS. */}}
+{{- define "specdec.commonEgress" -}}
+{{- $values := .Values }}
+{{- $np := $values.networkPolicy }}
+{{- if $values.redis.enabled }}
+{{- include "specdec.policyRule" (dict "direction" "to" "peers" (include "specdec.podPeer" (dict "root" . "component" "redis") | fromYamlArray) "ports" (list (dict "port" (int $values.redis.port)))) }}
+{{- else }}
+{{- $port := $np.redisEgressPort }}
+{{- if not (include "specdec.isSet" $port) }}
+{{- $port = 6379 }}
+{{- $hostPort := regexFind ":[0-9]+(/|$)" (regexReplaceAll "^[a-z]+://([^@/]*@)?" ($values.redis.externalUrl | default "") "") }}
+{{- if $hostPort }}
+{{- $port = trimPrefix ":" (trimSuffix "/" $hostPort) }}
+{{- end }}
+{{- end }}
+{{- include "specdec.policyRule" (dict "direction" "to" "peers" $np.redisEgress "ports" (list (dict "port" (int $port)))) }}
+{{- end }}
+{{ include "specdec.policyRule" (dict "direction" "to" "peers" $np.dns "ports" (list (dict "port" 53 "protocol" "UDP") (dict "port" 53 "protocol" "TCP"))) }}
 {{- end }}
