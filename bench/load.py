@@ -19,6 +19,7 @@ import asyncio
 import collections
 import json
 import random
+import re
 import statistics
 import time
 from pathlib import Path
@@ -82,7 +83,8 @@ async def one(stub, request, cancel_after, timeout_s: float) -> dict:
             "tpot_ms": 1000 * (end - (first or end)) / max(tokens - 1, 1),
         }
     except grpc.aio.AioRpcError as exc:
-        return {"code": exc.code().name, "tokens": tokens}
+        why = re.sub(r"[0-9.]+", "N", (exc.details() or "")[:70])  # group by message kind
+        return {"code": exc.code().name, "tokens": tokens, "why": f"{exc.code().name}: {why}"}
 
 
 async def phase(address: str, requests: list, concurrency: int, timeout_s: float) -> dict:
@@ -124,6 +126,7 @@ async def phase(address: str, requests: list, concurrency: int, timeout_s: float
         "tpot_ms_p50": pct(tpot, 50),
         "tpot_ms_p99": pct(tpot, 99),
         "codes": dict(collections.Counter(r["code"] for r in results)),
+        "reasons": dict(collections.Counter(r["why"] for r in results if "why" in r)),
         "unexpected": dict(unexpected),
     }
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
+from coordinator.gateway import Gateway, HTTPServer
 from coordinator.service import CoordinatorService
 from coordinator.settings import CoordinatorSettings
 from specdec.catalog import resolve_dir
@@ -41,6 +43,11 @@ async def main_async(settings: CoordinatorSettings) -> None:
     port = server.bind(settings.host, settings.port, settings.public_tls())
     await server.start()
     await service.start()
+    http, http_line = None, ""
+    if settings.http_port >= 0:
+        gateway = Gateway(service, served_model_name(settings), settings.api_keys())
+        http = HTTPServer(gateway, settings.host, settings.http_port, settings.public_tls())
+        http_line = f" http={settings.host}:{await http.start()}"
     stop = asyncio.Event()
     install_signal_handlers(stop)
     announced = False
@@ -51,7 +58,8 @@ async def main_async(settings: CoordinatorSettings) -> None:
             if ready and not announced:
                 announced = True
                 print(
-                    f"READY coordinator {settings.host}:{port} redis={redact(redis_url)}",
+                    f"READY coordinator {settings.host}:{port} redis={redact(redis_url)}"
+                    + http_line,
                     flush=True,
                 )
             try:
@@ -61,11 +69,20 @@ async def main_async(settings: CoordinatorSettings) -> None:
                     await service.refresh_workers()
     finally:
         service.draining = True  # streams cut by the grace period hand their sessions over
+        if http is not None:
+            await http.stop()
         await server.drain_and_stop(settings.grace_s)
         await service.stop()
         await redis.aclose()
         if embedded:
             embedded.stop()
+
+
+def served_model_name(settings: CoordinatorSettings) -> str:
+    """The HTTP API's model id: --served-model-name, else the tokenizer's name."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    return os.path.basename(os.path.normpath(settings.tokenizer))
 
 
 def check_security(settings: CoordinatorSettings) -> None:

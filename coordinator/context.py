@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from coordinator.policy import CostModel
 from coordinator.pool import WorkerPool
 from coordinator.settings import CoordinatorSettings
+from coordinator.shedding import LoadShedder
 from coordinator.store import SessionStore
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ class RunContext:
     tokenizer: object  # the target's tokenizer (detokenisation and stop strings)
     eos_token_ids: tuple[int, ...]
     owner: str  # this coordinator's id in session leases
+    shedder: LoadShedder  # refuses new sessions while the target tier is saturated
     metrics: CoordinatorMetrics | None = None  # None without a --metrics-port
 
     def pool(self, role: str) -> WorkerPool:

@@ -251,6 +251,7 @@ class SessionRun:
             timing.draft_forward_s = proposal.forward_ns / 1e9
             timing.draft_queue_s = proposal.queue_ns / 1e9
         self.policy.observe(gamma, accepted, accepted < gamma, timing)
+        self.ctx.shedder.observe(t2 - t1)
         log.debug(
             "session %s round %d: γ=%d accepted=%d draft %.1f ms verify %.1f ms round %.1f ms",
             self.session_id,

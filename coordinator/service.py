@@ -12,6 +12,7 @@ from coordinator.policy import CostModel
 from coordinator.pool import WorkerPool
 from coordinator.sessions import Sessions
 from coordinator.settings import CoordinatorSettings
+from coordinator.shedding import LoadShedder
 from coordinator.store import SessionStore
 from specdec.core.params import SamplingParams
 from specdec.errors import Exhausted, NotFound
@@ -52,6 +53,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids(tokenizer),
             owner=settings.coordinator_id or f"coord-{uuid.uuid4().hex[:12]}",
+            shedder=LoadShedder(settings.shed_verify_s),
             metrics=(
                 telemetry.CoordinatorMetrics(lambda: len(self.sessions))
                 if settings.metrics_port > 0
@@ -105,7 +107,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # --- RPCs -------------------------------------------------------------------------
 
-    async def _chunks(self, request):
+    async def chunks(self, request):
+        """The chunks of one Generate call (gRPC and the HTTP gateway alike)."""
         if self.streams >= self.settings.max_streams:
             raise Exhausted(f"this coordinator serves {self.streams} streams (--max-streams)")
         session_id, finished = request.session_id, False
@@ -145,13 +148,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @rpc
     async def GenerateStream(self, request, context):
-        async for chunk in self._chunks(request):
+        async for chunk in self.chunks(request):
             yield chunk
 
     @rpc
     async def Generate(self, request, context):
         response = coordinator_pb2.GenerateResponse()
-        async for chunk in self._chunks(request):
+        async for chunk in self.chunks(request):
             merge_chunk(response, chunk)
         return response
 

@@ -134,6 +134,13 @@ class Sessions:
                 raise Unavailable("no target worker is available")
         if len(self.runs) >= self.ctx.settings.max_sessions:
             raise Exhausted(f"this coordinator runs {len(self.runs)} sessions (--max-sessions)")
+        slow = self.ctx.shedder.saturated()
+        if slow is not None:
+            self.ctx.count("shed")
+            raise Exhausted(
+                f"the target tier is saturated: verify steps take {slow:.1f} s "
+                f"(--shed-verify-s {self.ctx.settings.shed_verify_s:g}); retry later"
+            )
         params = admission.params
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         record = SessionRecord(

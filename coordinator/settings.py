@@ -74,9 +74,23 @@ class CoordinatorSettings(SecurityFlags):
         "a target that lacks more committed tokens than this gets a chunked Prefill first "
         "(so a new prompt does not pad a whole batch of decoding sessions to its length)",
     )
+    shed_verify_s: float = opt(
+        10.0,
+        "refuse new sessions (RESOURCE_EXHAUSTED) while verify steps (prefill included) take "
+        "longer than this on average over the last 5 s: the target tier is past its capacity "
+        "(0 = never)",
+    )
     coordinator_id: str = opt("", "owner id in session leases (default: random)")
     grace_s: float = opt(10.0, "on SIGTERM, how long in-flight streams may finish")
     metrics_port: int = opt(0, "Prometheus metrics port (0 = off)")
+    http_port: int = opt(
+        -1,
+        "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health); -1 = off, 0 = pick a free one",
+    )
+    served_model_name: str = opt(
+        "", "the model id of the HTTP API (default: the --tokenizer name or directory name)"
+    )
     log_level: str = opt("info", "debug | info | warning | error")
     tls_client_ca: str = opt(
         "", "with --tls-cert: public-API clients must present a certificate signed by this CA"

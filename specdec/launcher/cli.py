@@ -86,6 +86,12 @@ def up(argv: list[str]) -> int:
     )
     p.add_argument("--draft-model", default=env_default("draft-model", demo_model(DEFAULT_DRAFT)))
     p.add_argument("--port", type=int, default=env_default("port", 50051), help="coordinator port")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=env_default("http-port", 8000),
+        help="port of the OpenAI-compatible HTTP API (-1 = off)",
+    )
     p.add_argument("--host", default=env_default("host", "127.0.0.1"))
     p.add_argument("--draft-workers", type=int, default=env_default("draft-workers", 1))
     p.add_argument("--target-workers", type=int, default=env_default("target-workers", 1))
@@ -172,6 +178,7 @@ def up(argv: list[str]) -> int:
             api_keys=args.api_key,
             state_dir=args.state_dir,
             reflection=args.reflection,
+            http_port=args.http_port,
         )
     )
     stopping = {"flag": False}
@@ -207,6 +214,22 @@ def up(argv: list[str]) -> int:
         if options:
             ca = f", tls_ca={options['tls_ca']!r}" if tls else ""
             print(f"      Python: Client({stack.address!r}{ca}).generate(...)", flush=True)
+        if args.http_port >= 0:
+            print(f"OpenAI-compatible HTTP API at {stack.http_url}:", flush=True)
+            key = ' -H "Authorization: Bearer $SPECDEC_API_KEY"' if args.api_key else ""
+            ca = f" --cacert {options['tls_ca']}" if tls else ""
+            model = os.path.basename(os.path.normpath(args.target_model))
+            print(
+                f"      curl{ca} {stack.http_url}/chat/completions{key} -H 'Content-Type: "
+                f'application/json\' -d \'{{"model": "{model}", "messages": '
+                f'[{{"role": "user", "content": "Hi!"}}]}}\'',
+                flush=True,
+            )
+            print(
+                f"      openai.OpenAI(base_url={stack.http_url!r}, api_key=...)"
+                f" with model={model!r}",
+                flush=True,
+            )
         print(flush=True)
         if not args.no_demo and not stopping["flag"]:
             demo(stack.address, args.demo_prompt, chat, stack.client_options())

@@ -50,6 +50,7 @@ class StackSettings:
     api_keys: list[str] = field(default_factory=list)
     state_dir: str = ""  # certificates and the key file (default: a temporary directory)
     reflection: bool = False  # gRPC reflection on every service (specdec up turns it on)
+    http_port: int = -1  # the first coordinator's OpenAI-compatible HTTP API (-1 = off)
 
 
 class Child:
@@ -138,6 +139,12 @@ class Stack:
     def address(self) -> str:
         return f"{self.settings.host}:{self.settings.port}"
 
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (`…/v1`), when http_port is set."""
+        scheme = "https" if self.settings.tls else "http"
+        return f"{scheme}://{self.settings.host}:{self.settings.http_port}/v1"
+
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -173,7 +180,10 @@ class Stack:
                 line = self._spawn_worker("draft", i, s.draft_model, s.draft_threads, extra)
                 progress(f"{line} proposer={s.proposer}")
             self._wait(self.children, s.startup_timeout_s)
-            coordinator = self._spawn("coordinator", "coordinator", self._coordinator_args(s.port))
+            http = ["--http-port", str(s.http_port)] if s.http_port >= 0 else []
+            coordinator = self._spawn(
+                "coordinator", "coordinator", self._coordinator_args(s.port, http)
+            )
             self._wait([coordinator], s.startup_timeout_s)
             progress(f"coordinator  {self.address}")
             return self

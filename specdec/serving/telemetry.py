@@ -165,6 +165,10 @@ class CoordinatorMetrics:
             "specdec_worker_bad_answers",
             description="worker answers the coordinator refused as inconsistent, by tier",
         )
+        self.shed = m.create_counter(
+            "specdec_shed_requests",
+            description="new sessions refused because the target tier was saturated",
+        )
         self.rejected = m.create_counter(
             "specdec_rejected_requests", description="requests refused, by status code"
         )

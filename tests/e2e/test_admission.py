@@ -208,3 +208,49 @@ def test_full_workers_are_back_pressure_not_failures(model_dirs):
         sample(text.decode(), "specdec_backpressure_total", tier=t) for t in ("target", "draft")
     ]
     assert sum(v or 0.0 for v in pressed) > 0  # the workers really were full
+
+
+def test_new_sessions_are_shed_while_the_target_tier_is_saturated(model_dirs):
+    """With a verify-step bound every real step exceeds, a session that is running keeps
+    running (and finishes exactly), a new one is refused with RESOURCE_EXHAUSTED naming the
+    flag, and once the running one is done and its steps left the window, admission reopens."""
+    import threading
+    import time
+
+    from specdec.client import Client
+    from specdec.launcher.stack import Stack, StackSettings
+    from specdec.serving.redis_embedded import free_port
+
+    settings = StackSettings(
+        model_dirs["target"],
+        model_dirs["draft"],
+        port=free_port(),
+        coordinator_args=["--shed-verify-s", "0.000001"],
+    )
+    kwargs = dict(max_new_tokens=120, num_speculative_tokens=2, ignore_eos=True)
+    with Stack(settings) as stack, Client(stack.address, retries=0) as client:
+        alone = list(client.generate("def f(x):", **kwargs).token_ids)
+        time.sleep(5.5)  # the window forgets that run
+        first: dict = {}
+        started = threading.Event()
+
+        def run():
+            with Client(stack.address) as own:
+                tokens = []
+                for chunk in own.stream("def f(x):", **kwargs):
+                    tokens += list(chunk.token_ids)
+                    if len(tokens) >= 10:
+                        started.set()
+                first["tokens"] = tokens
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        assert started.wait(60)
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate("def g(x):", max_new_tokens=4)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--shed-verify-s" in refused.value.details()
+        thread.join(120)
+        assert first["tokens"] == alone  # the running session was never disturbed
+        time.sleep(5.5)
+        assert len(client.generate("def g(x):", max_new_tokens=4).token_ids) == 4

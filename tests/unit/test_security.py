@@ -147,3 +147,44 @@ def test_proposals_checked_for_count_vocabulary_and_q():
         check_proposal(proposal([4], [([6], [9])]), 1, VOCAB)
     with pytest.raises(BadAnswer, match="expected 2"):
         check_proposal(proposal([4, 5], [([4], [9])]), 2, VOCAB)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(tls_cert="CERT"), "--tls-cert/--tls-key: give both"),
+        (dict(tls_cert="CERT", tls_key="MISSING"), "--tls-key: no such file"),
+        (dict(tls_client_ca="CA"), "--tls-client-ca needs --tls-cert"),
+        (dict(tls_ca="CA"), "--tls-ca (mTLS to the workers) needs a client certificate"),
+        (dict(worker_tls_cert="CERT"), "--worker-tls-cert/--worker-tls-key: give both"),
+        (dict(api_keys_file="EMPTY"), "holds no key"),
+        (dict(redis_ca="MISSING"), "--redis-ca: no such file"),
+    ],
+)
+def test_the_coordinator_refuses_security_flags_that_cannot_work(tmp_path, flags, message):
+    from coordinator.__main__ import check_security
+    from coordinator.settings import CoordinatorSettings
+
+    files = {"CERT": "c.pem", "CA": "ca.pem", "EMPTY": "keys", "MISSING": "absent"}
+    for name in ("c.pem", "ca.pem"):
+        write(tmp_path / name, "pem")
+    write(tmp_path / "keys", "# nothing\n")
+    values = {k: str(tmp_path / files[v]) for k, v in flags.items()}
+    with pytest.raises(SecurityConfigError) as info:
+        check_security(CoordinatorSettings(**values))
+    assert message in str(info.value)
+
+
+def test_workable_security_flags_pass(tmp_path):
+    from coordinator.__main__ import check_security
+    from coordinator.settings import CoordinatorSettings
+
+    paths = {n: write(tmp_path / n, "x\n") for n in ("c.pem", "k.pem", "ca.pem", "keys")}
+    check_security(
+        CoordinatorSettings(
+            tls_cert=paths["c.pem"],
+            tls_key=paths["k.pem"],
+            tls_ca=paths["ca.pem"],
+            api_keys_file=paths["keys"],
+        )
+    )
