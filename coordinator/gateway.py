@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
@@ -67,6 +67,9 @@ PARAM = {
     "messages": "messages",
     "return_logprobs": "logprobs",
 }
+
+
+U32 = Annotated[int, Field(ge=0, le=2**32 - 1)]  # token ids and counts, as the proto holds them
 
 
 class APIError(Exception):
@@ -115,7 +118,9 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="the served model's id (GET /v1/models)")
-    max_tokens: int | None = Field(default=None, ge=1, description="tokens to generate")
+    max_tokens: int | None = Field(
+        default=None, ge=1, le=2**32 - 1, description="tokens to generate"
+    )
     temperature: float | None = Field(default=None, ge=0.0, le=100.0, description="0 = greedy")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int | None = Field(default=None, description="only 1")
@@ -128,16 +133,19 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(default=None, description="only 0")
     # specdec and vLLM extensions
     num_speculative_tokens: int | None = Field(
-        default=None, ge=0, description="γ per round; unset = adaptive, 0 = speculation off"
+        default=None,
+        ge=0,
+        le=2**32 - 1,
+        description="γ per round; unset = adaptive, 0 = speculation off",
     )
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=2**32 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[U32] | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(description="text, or token ids")
+    prompt: str | list[U32] = Field(description="text, or token ids")
     logprobs: int | None = Field(default=None, ge=0, le=20, description="top alternatives")
     echo: bool = Field(default=False, description="only false")
     best_of: int | None = Field(default=None, description="only 1")
@@ -158,7 +166,7 @@ class Message(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**32 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -227,6 +235,55 @@ def usage(stats: coordinator_pb2.GenerationStats) -> dict[str, int]:
     }
 
 
+class BodyLimit:
+    """ASGI middleware: a request body past `limit` bytes is 413 before it is parsed (the
+    HTTP twin of gRPC's --max-message-mb)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send) -> None:
+        error = APIError(
+            413,
+            f"the request body exceeds {self.limit >> 20} MiB (--max-message-mb)",
+            "invalid_request_error",
+        )
+        body = json.dumps({"error": {"message": error.message, "type": error.kind}}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
 class Gateway:
     """The FastAPI app over a CoordinatorService."""
 
@@ -236,6 +293,7 @@ class Gateway:
         self.api_keys = api_keys
         self.created = int(time.time())
         self.app = self._build()
+        self.app.add_middleware(BodyLimit, limit=service.settings.max_message_mb << 20)
 
     # --- plumbing -------------------------------------------------------------------
 

@@ -63,9 +63,9 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def up(smollm2_dir):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     process = subprocess.Popen(
-        [*SPECDEC, "up", "--port", str(port)],
+        [*SPECDEC, "up", "--port", str(port), "--http-port", str(http_port)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -80,7 +80,12 @@ def up(smollm2_dir):
             lines.append(line)
             if line.startswith("serving;"):
                 break
-        yield {"process": process, "address": f"127.0.0.1:{port}", "banner": "".join(lines)}
+        yield {
+            "process": process,
+            "address": f"127.0.0.1:{port}",
+            "http": f"http://127.0.0.1:{http_port}/v1",
+            "banner": "".join(lines),
+        }
     finally:
         if process.poll() is None:
             process.kill()
@@ -149,6 +154,43 @@ def test_cli_chat_equals_hugging_face_generate(up, hf):
     assert cli.returncode == 0, cli.stderr
     response = json.loads(cli.stdout)
     assert [int(t) for t in response["token_ids"]] == hf_greedy(hf, CHAT, N)
+
+
+def test_openai_chat_equals_hugging_face_generate_streamed_or_not(up, hf):
+    """The official openai package against `specdec up`'s HTTP API, as the README shows it."""
+    import openai
+
+    client = openai.OpenAI(base_url=up["http"], api_key="unused", max_retries=0, timeout=120)
+    (model,) = [m.id for m in client.models.list().data]
+    assert model == "smollm2-135m-instruct"
+    with Client(up["address"], timeout_s=120) as grpc_client:
+        reference = grpc_client.generate(CHAT, max_new_tokens=N, ignore_eos=True, temperature=0)
+    assert list(reference.token_ids) == hf_greedy(hf, CHAT, N)
+    expected = reference.text
+    extra = {"ignore_eos": True}
+    whole = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=N, temperature=0, extra_body=extra
+    )
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(prompt_ids(hf[1], CHAT))
+    assert whole.usage.completion_tokens == N
+    assert whole.model_extra["speculation"]["rounds"] >= 1
+    stream = client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=N,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].usage.completion_tokens == N
+    assert "OpenAI-compatible HTTP API at" in up["banner"]
 
 
 def test_mixed_prompt_kinds_are_refused(up):
