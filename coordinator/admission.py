@@ -16,7 +16,12 @@ from dataclasses import dataclass, replace
 from coordinator.settings import CoordinatorSettings
 from specdec.core.params import SamplingParams
 from specdec.errors import InvalidArgument
-from specdec.serving.wire import check_session_id, check_tokens, sampling_from_proto
+from specdec.serving.wire import (
+    check_session_id,
+    check_tokens,
+    check_top_logprobs,
+    sampling_from_proto,
+)
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -26,14 +31,16 @@ class Admission:
     prompt: list[int]
     params: SamplingParams
     gamma: int | None  # None = the adaptive policy chooses each round
+    top_logprobs: int | None = None  # None = no log-probabilities; else alternatives per token
 
 
 def _check_sizes(request, s: CoordinatorSettings) -> None:
     """Counts and lengths, before anything is converted or tokenised."""
     if request.session_id:
         check_session_id(request.session_id)
-    if request.return_logprobs:
-        raise InvalidArgument("return_logprobs: log-probabilities are not served yet")
+    check_top_logprobs(request.top_logprobs)
+    if request.top_logprobs and not request.return_logprobs:
+        raise InvalidArgument("top_logprobs needs return_logprobs")
     given = [
         name
         for name, value in (
@@ -173,4 +180,5 @@ async def admit(
         raise InvalidArgument(
             f"speculation.num_speculative_tokens {gamma} exceeds --max-speculative-tokens {s.max_speculative_tokens}"
         )
-    return Admission(prompt, replace(params, max_new_tokens=max_new), gamma)
+    top = request.top_logprobs if request.return_logprobs else None
+    return Admission(prompt, replace(params, max_new_tokens=max_new), gamma, top)

@@ -66,6 +66,7 @@ PARAM = {
     "prompt": "prompt",
     "messages": "messages",
     "return_logprobs": "logprobs",
+    "top_logprobs": "top_logprobs",
 }
 
 
@@ -426,7 +427,7 @@ class Gateway:
             else:
                 grpc_request.prompt_token_ids.extend(body.prompt)
             self._speculation(grpc_request, body)
-            self._logprobs(grpc_request, body.logprobs is not None)
+            self._logprobs(grpc_request, body.logprobs is not None, body.logprobs or 0)
             if body.stream:
                 return await self._stream(request, grpc_request, body, chat=False)
             response = await self._collect(request, grpc_request)
@@ -445,7 +446,7 @@ class Gateway:
                 coordinator_pb2.ChatMessage(role=m.role, content=_content(m)) for m in body.messages
             )
             self._speculation(grpc_request, body)
-            self._logprobs(grpc_request, body.logprobs or body.top_logprobs is not None)
+            self._logprobs(grpc_request, body.logprobs, body.top_logprobs or 0)
             if body.stream:
                 return await self._stream(request, grpc_request, body, chat=True)
             response = await self._collect(request, grpc_request)
@@ -459,9 +460,10 @@ class Gateway:
             grpc_request.speculation.num_speculative_tokens = body.num_speculative_tokens
 
     @staticmethod
-    def _logprobs(grpc_request, wanted: bool) -> None:
-        if wanted:  # admission refuses it, naming the field, until logprobs are served
+    def _logprobs(grpc_request, wanted: bool, top: int) -> None:
+        if wanted:
             grpc_request.return_logprobs = True
+            grpc_request.top_logprobs = top
 
     # --- response bodies ------------------------------------------------------------
 
@@ -470,7 +472,7 @@ class Gateway:
         choice: dict[str, Any] = {
             "index": 0,
             "finish_reason": FINISH.get(response.finish_reason),
-            "logprobs": None,
+            "logprobs": self._logprob_block(response, chat) if response.logprobs else None,
         }
         if chat:
             choice["message"] = {"role": "assistant", "content": response.text}
@@ -484,6 +486,44 @@ class Gateway:
             "choices": [choice],
             "usage": usage(stats),
             "speculation": speculation(stats),
+        }
+
+    def _logprob_block(self, response, chat: bool) -> dict:
+        """OpenAI's logprobs object for the tokens of a response or chunk."""
+        tokenizer = self.service.ctx.tokenizer
+
+        def text(token_id: int) -> str:
+            return tokenizer.decode([token_id])
+
+        tokens = [text(t) for t in response.token_ids]
+        tops = [
+            [(text(t), lp) for t, lp in zip(top.token_ids, top.logprobs)]
+            for top in response.top_logprobs
+        ]
+        if chat:
+            return {
+                "content": [
+                    {
+                        "token": token,
+                        "logprob": lp,
+                        "bytes": list(token.encode()),
+                        "top_logprobs": [
+                            {"token": t, "logprob": v, "bytes": list(t.encode())}
+                            for t, v in (tops[i] if i < len(tops) else [])
+                        ],
+                    }
+                    for i, (token, lp) in enumerate(zip(tokens, response.logprobs))
+                ]
+            }
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(response.logprobs),
+            "top_logprobs": [dict(top) for top in tops] if any(tops) else None,
+            "text_offset": offsets,
         }
 
     async def _stream(self, request: Request, grpc_request, body: _Common, chat: bool):
@@ -528,6 +568,7 @@ class Gateway:
 
                 async for chunk in all_chunks():
                     finish = FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
+                    logprobs = self._logprob_block(chunk, chat) if chunk.logprobs else None
                     if chat:
                         choice = {
                             "index": 0,
@@ -535,7 +576,7 @@ class Gateway:
                         }
                     else:
                         choice = {"index": 0, "text": chunk.text}
-                    choice.update(logprobs=None, finish_reason=finish)
+                    choice.update(logprobs=logprobs, finish_reason=finish)
                     payload = frame(choice)
                     if finish is not None:
                         final_stats = chunk.stats

@@ -9,6 +9,7 @@ streams read) only after Redis acknowledged them: commit before stream (invarian
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -37,6 +38,25 @@ class RoundOutcome:
     tokens: list[int]
     reason: FinishReason | None = None
     tail: str = ""
+    logprobs: list[str] | None = None  # per token, a JSON entry (when the session has them)
+
+
+def logprob_entries(result: target_pb2.VerifyResponse, n: int) -> list[str]:
+    """One JSON entry per committed token: [log p, alternative ids, their log p]."""
+    tops = list(result.output_top_logprobs)
+    entries = []
+    for i in range(n):
+        top = tops[i] if i < len(tops) else None
+        entries.append(
+            json.dumps(
+                [
+                    result.output_logprobs[i],
+                    list(top.token_ids) if top else [],
+                    list(top.logprobs) if top else [],
+                ]
+            )
+        )
+    return entries
 
 
 class SessionRun:
@@ -58,6 +78,8 @@ class SessionRun:
         self.prompt = list(record.prompt)
         self.generated = list(record.generated)  # committed in Redis, in order
         self.texts = list(record.texts)  # per generated token, its text
+        self.top_logprobs = record.top_logprobs  # None: the session has no log-probabilities
+        self.logprobs = list(record.logprobs)  # per generated token, a JSON entry
         self.tail = ""  # text released at the end, after the last token's
         self.committed = self.prompt + self.generated  # kept in step with `generated`
         self.max_new_tokens = params.max_new_tokens
@@ -176,6 +198,8 @@ class SessionRun:
                 sampling=self.processors,
                 seed=self.record.seed,
                 max_output_tokens=remaining,
+                return_logprobs=self.top_logprobs is not None,
+                top_logprobs=self.top_logprobs or 0,
             ),
             candidates,
             remaining,
@@ -194,7 +218,10 @@ class SessionRun:
         elif reason is None:
             tail = self.output.tail()  # stored only if CancelSession ends the session in Redis
         tokens = output_ids[: step.num_tokens]
-        return RoundOutcome(gamma, result.num_accepted, step, tokens, reason, tail)
+        outcome = RoundOutcome(gamma, result.num_accepted, step, tokens, reason, tail)
+        if self.top_logprobs is not None:
+            outcome.logprobs = logprob_entries(result, len(tokens))
+        return outcome
 
     async def commit(self, outcome: RoundOutcome) -> None:
         """Step 4: append the round's tokens in Redis (compare-and-set on the version)."""
@@ -212,6 +239,7 @@ class SessionRun:
             self.stats.as_dict(len(self.prompt), generated, time.time() - self.started),
             outcome.reason.name if outcome.reason is not None else "",
             outcome.tail,
+            outcome.logprobs,
         )
         if committed_reason and outcome.reason is None:  # CancelSession reached us via Redis
             outcome.reason = FinishReason[committed_reason]
@@ -221,6 +249,7 @@ class SessionRun:
         """Step 5: what Redis holds now reaches the streams."""
         self.generated += outcome.tokens
         self.texts += outcome.step.texts
+        self.logprobs += outcome.logprobs or []
         self.committed += outcome.tokens
         if outcome.reason is not None:
             self.tail = outcome.tail

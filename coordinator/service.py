@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -36,6 +37,14 @@ def _status(finished: bool) -> int:
         if finished
         else coordinator_pb2.SESSION_STATUS_RUNNING
     )
+
+
+def add_logprobs(chunk: coordinator_pb2.GenerateChunk, entries: list[str]) -> None:
+    """The stored per-token entries ([log p, ids, log ps]) as the chunk's fields."""
+    for entry in entries:
+        logprob, ids, values = json.loads(entry)
+        chunk.logprobs.append(logprob)
+        chunk.top_logprobs.add(token_ids=ids, logprobs=values)
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -127,6 +136,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     token_ids=update.token_ids,
                     text=update.text,
                 )
+                add_logprobs(chunk, update.logprobs)
                 if update.finish_reason is not None:
                     finished = True
                     chunk.finish_reason = int(update.finish_reason)

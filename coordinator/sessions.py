@@ -14,7 +14,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.admission import Encoder, admit
 from coordinator.context import RunContext
@@ -37,6 +37,7 @@ class Update:
     text: str
     finish_reason: FinishReason | None = None
     stats: dict | None = None
+    logprobs: list[str] = field(default_factory=list)  # per token, when the session has them
 
 
 class Sessions:
@@ -80,7 +81,8 @@ class Sessions:
             same_sampling = {
                 k: v for k, v in admission.params.to_dict().items() if k != "seed"
             } == {k: v for k, v in record.sampling.items() if k != "seed"}
-            if admission.prompt != record.prompt or not same_sampling:
+            same_logprobs = admission.top_logprobs == record.top_logprobs
+            if admission.prompt != record.prompt or not same_sampling or not same_logprobs:
                 raise Conflict(
                     f"session_id {record.session_id!r} exists with another prompt or sampling "
                     "parameters; use a new session_id, or send only session_id and resume_from "
@@ -152,6 +154,7 @@ class Sessions:
             sampling=params.to_dict(),
             seed=seed,
             gamma=admission.gamma,
+            top_logprobs=admission.top_logprobs,
         )
         if not await self.ctx.store.create(record, self.ctx.owner):
             return await self._attach(record.session_id)  # lost a creation race: the winner's
@@ -187,7 +190,11 @@ class Sessions:
             if run is not None:
                 if len(run.generated) > offset:
                     yield Update(
-                        session_id, offset, run.generated[offset:], "".join(run.texts[offset:])
+                        session_id,
+                        offset,
+                        run.generated[offset:],
+                        "".join(run.texts[offset:]),
+                        logprobs=run.logprobs[offset:],
                     )
                     offset = len(run.generated)
                 if run.finish_reason is not None and offset >= len(run.generated):
@@ -209,7 +216,11 @@ class Sessions:
                 raise NotFound(f"session_id {session_id!r} is unknown or expired")
             if len(record.generated) > offset:
                 yield Update(
-                    session_id, offset, record.generated[offset:], "".join(record.texts[offset:])
+                    session_id,
+                    offset,
+                    record.generated[offset:],
+                    "".join(record.texts[offset:]),
+                    logprobs=record.logprobs[offset:],
                 )
                 offset = len(record.generated)
             if record.status == "finished":

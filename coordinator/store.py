@@ -40,24 +40,28 @@ redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
-# KEYS: hash, tokens, lease, cancel, text. ARGV: owner, version, epoch, finish_reason, stats,
-# now, ttl, tail, then n tokens, then their n texts. Returns {new version, finish reason} or
+# KEYS: hash, tokens, lease, cancel, text, logprobs. ARGV: owner, version, epoch,
+# finish_reason, stats, now, ttl, tail, with logprobs (0 | 1), then n tokens, their n texts and,
+# with logprobs, their n log-probability entries. Returns {new version, finish reason} or
 # {-1 lease lost | -2 version changed | -3 epoch changed, ''}.
 COMMIT = """
 if redis.call('GET', KEYS[3]) ~= ARGV[1] then return {-1, ''} end
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[3] then return {-3, ''} end
 local version = tonumber(redis.call('HGET', KEYS[1], 'version'))
 if version ~= tonumber(ARGV[2]) then return {-2, ''} end
-local n = (#ARGV - 8) / 2
+local lists = 2 + tonumber(ARGV[9])
+local n = (#ARGV - 9) / lists
 if n > 0 then
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, 9, 8 + n))
-  redis.call('RPUSH', KEYS[5], unpack(ARGV, 9 + n, 8 + 2 * n))
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, 10, 9 + n))
+  redis.call('RPUSH', KEYS[5], unpack(ARGV, 10 + n, 9 + 2 * n))
+  if lists == 3 then redis.call('RPUSH', KEYS[6], unpack(ARGV, 10 + 2 * n, 9 + 3 * n)) end
 end
 redis.call('HSET', KEYS[1], 'version', version + n, 'stats', ARGV[5], 'updated', ARGV[6])
 local ttl = tonumber(ARGV[7])
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('EXPIRE', KEYS[5], ttl)
+redis.call('EXPIRE', KEYS[6], ttl)
 local reason = ARGV[4]
 if reason == '' and redis.call('EXISTS', KEYS[4]) == 1 then reason = 'CANCELLED' end
 if reason ~= '' then
@@ -67,7 +71,7 @@ end
 return {version + n, reason}
 """
 
-# KEYS: lease, hash, tokens, text. ARGV: owner, lease ms, epoch, ttl s. 1 = kept (or taken
+# KEYS: lease, hash, then the session's lists. ARGV: owner, lease ms, epoch, ttl s. 1 = kept (or taken
 # back; the session's keys then live another ttl), 2 = finished, 0 = another coordinator may
 # own the session.
 RENEW = """
@@ -83,11 +87,11 @@ elseif redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', KEYS[2], 'epoch
   kept = true
 end
 if not kept then return 0 end
-for i = 2, 4 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+for i = 2, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
 
-# KEYS: hash, lease, tokens, text. ARGV: owner, lease ms, now, ttl s. The new epoch; -1
+# KEYS: hash, lease, then the session's lists. ARGV: owner, lease ms, now, ttl s. The new epoch; -1
 # while the lease is held or when there is no running session to take (finished, expired or
 # never created).
 TAKE = """
@@ -96,8 +100,7 @@ if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
   redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'updated', ARGV[3])
   redis.call('EXPIRE', KEYS[1], ARGV[4])
-  redis.call('EXPIRE', KEYS[3], ARGV[4])
-  redis.call('EXPIRE', KEYS[4], ARGV[4])
+  for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
   return epoch
 end
 return -1
@@ -142,6 +145,8 @@ class SessionRecord:
     updated: float = 0.0
     texts: list[str] = field(default_factory=list)  # per generated token
     tail: str = ""  # text released at the end, after the last token's
+    top_logprobs: int | None = None  # None: no log-probabilities; else how many alternatives
+    logprobs: list[str] = field(default_factory=list)  # per generated token, a JSON entry
 
 
 @dataclass(frozen=True)
@@ -151,11 +156,17 @@ class Keys:
     text: str
     lease: str
     cancel: str
+    logprobs: str
 
     @classmethod
     def of(cls, session_id: str) -> Keys:
         p = PREFIX + "{" + session_id + "}"
-        return cls(p, p + ":tokens", p + ":text", p + ":lease", p + ":cancel")
+        return cls(p, p + ":tokens", p + ":text", p + ":lease", p + ":cancel", p + ":logprobs")
+
+    @property
+    def lists(self) -> list[str]:
+        """The per-token lists whose TTL follows the session's."""
+        return [self.tokens, self.text, self.logprobs]
 
 
 class SessionStore:
@@ -182,6 +193,7 @@ class SessionStore:
             "sampling": json.dumps(record.sampling),
             "seed": str(record.seed),
             "gamma": "" if record.gamma is None else record.gamma,
+            "logprobs": "" if record.top_logprobs is None else record.top_logprobs,
             "owner": owner,
             "status": "running",
             "finish_reason": "",
@@ -196,7 +208,8 @@ class SessionStore:
         k = Keys.of(session_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(k.hash).lrange(k.tokens, 0, -1).lrange(k.text, 0, -1).get(k.lease)
-            raw, tokens, texts, owner = await pipe.execute()
+            pipe.lrange(k.logprobs, 0, -1)
+            raw, tokens, texts, owner, logprobs = await pipe.execute()
         if not raw or b"prompt" not in raw:
             return None
         f = {key.decode(): value.decode() for key, value in raw.items()}
@@ -219,6 +232,8 @@ class SessionStore:
             updated=float(f.get("updated", 0)),
             texts=[t.decode() for t in texts],
             tail=f.get("tail", ""),
+            top_logprobs=int(f["logprobs"]) if f.get("logprobs") else None,
+            logprobs=[entry.decode() for entry in logprobs],
         )
 
     async def take_over(self, session_id: str, owner: str) -> int | None:
@@ -226,7 +241,7 @@ class SessionStore:
         held or when no running session has this id (then there is nothing to take over)."""
         k = Keys.of(session_id)
         epoch = await self._take(
-            keys=[k.hash, k.lease, k.tokens, k.text],
+            keys=[k.hash, k.lease, *k.lists],
             args=[owner, self.lease_ms, time.time(), self.ttl_s],
         )
         return None if epoch == -1 else int(epoch)
@@ -241,7 +256,7 @@ class SessionStore:
         k = Keys.of(session_id)
         return bool(
             await self._renew(
-                keys=[k.lease, k.hash, k.tokens, k.text],
+                keys=[k.lease, k.hash, *k.lists],
                 args=[owner, self.lease_ms, epoch, self.ttl_s],
             )
         )
@@ -255,7 +270,7 @@ class SessionStore:
             for session_id, epoch in sessions:
                 k = Keys.of(session_id)
                 await self._renew(
-                    keys=[k.lease, k.hash, k.tokens, k.text],
+                    keys=[k.lease, k.hash, *k.lists],
                     args=[owner, self.lease_ms, epoch, self.ttl_s],
                     client=pipe,
                 )
@@ -289,20 +304,22 @@ class SessionStore:
         stats: dict,
         finish_reason: str = "",
         tail: str = "",
+        logprobs: list[str] | None = None,
     ) -> tuple[int, str]:
         """Atomically append tokens (with their text) at `version`; returns (new version,
         finish reason).
 
         The finish reason is `finish_reason`, or CANCELLED when CancelSession flagged the
         session in the meantime (checked in the same script: no extra round trip per round).
-        `tail` is stored when the session ends here: the text its end releases. Raises
-        LostSession when the lease, the epoch or the version no longer match.
+        `tail` is stored when the session ends here: the text its end releases. `logprobs`,
+        for a session that asked for them, is one JSON entry per token. Raises LostSession
+        when the lease, the epoch or the version no longer match.
         """
-        if len(texts) != len(tokens):
-            raise ValueError("commit: one text per token")
+        if len(texts) != len(tokens) or (logprobs is not None and len(logprobs) != len(tokens)):
+            raise ValueError("commit: one text (and log-probability entry) per token")
         k = Keys.of(session_id)
         result, reason = await self._commit(
-            keys=[k.hash, k.tokens, k.lease, k.cancel, k.text],
+            keys=[k.hash, k.tokens, k.lease, k.cancel, k.text, k.logprobs],
             args=[
                 owner,
                 version,
@@ -312,8 +329,10 @@ class SessionStore:
                 time.time(),
                 self.ttl_s,
                 tail,
+                0 if logprobs is None else 1,
                 *tokens,
                 *texts,
+                *(logprobs or []),
             ],
         )
         if result < 0:

@@ -52,6 +52,8 @@ def build_request(
     *,
     num_speculative_tokens: int | None = None,
     session_id: str = "",
+    return_logprobs: bool = False,
+    top_logprobs: int = 0,
     **sampling,
 ) -> coordinator_pb2.GenerateRequest:
     unknown = set(sampling) - SAMPLING_FIELDS
@@ -69,6 +71,8 @@ def build_request(
         request.prompt_token_ids.extend(prompt)
     if num_speculative_tokens is not None:
         request.speculation.num_speculative_tokens = num_speculative_tokens
+    if return_logprobs or top_logprobs:
+        request.return_logprobs, request.top_logprobs = True, top_logprobs
     return request
 
 

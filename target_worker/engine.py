@@ -25,6 +25,7 @@ class VerifyItem:
     params: SamplingParams
     seed: int
     return_logprobs: bool
+    top_logprobs: int = 0  # with return_logprobs: alternatives per output token
 
 
 @dataclass
@@ -33,6 +34,7 @@ class VerifyOutcome:
     output_ids: list[int]
     logprobs: list[float]
     computed_tokens: int
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None  # per output token
 
 
 @dataclass
@@ -94,35 +96,51 @@ class TargetEngine:
         result = verify_logits(logits, greedy, sampling, block, seeds, base)
         num_accepted = result.num_accepted.tolist()
         outputs = result.output_tokens.tolist()
-        logprobs = self._logprobs(items, logits, greedy, result)
+        logprobs, tops = self._logprobs(items, logits, greedy, result)
         outcomes = []
         for b, item in enumerate(items):
             n = num_accepted[b]
             # keep the accepted candidates' KV; the recovered/bonus token has none yet
             item.session.crop(item.base_len + n)
-            outcomes.append(VerifyOutcome(n, outputs[b][: n + 1], logprobs[b], len(inputs[b])))
+            outcomes.append(
+                VerifyOutcome(n, outputs[b][: n + 1], logprobs[b], len(inputs[b]), tops[b])
+            )
         return outcomes
 
-    def _logprobs(self, items, logits, greedy, result) -> list[list[float]]:
+    def _logprobs(self, items, logits, greedy, result):
         """log p of each output token under the request's processed p (the raw softmax for
-        greedy requests), for the items that asked; from the verify's own processed rows."""
-        wanted = [b for b, item in enumerate(items) if item.return_logprobs]
+        greedy requests), and its `top_logprobs` likeliest alternatives from the same
+        distribution, for the items that asked; from the verify's own processed rows."""
         out: list[list[float]] = [[] for _ in items]
+        tops: list = [None for _ in items]
+        wanted = [b for b, item in enumerate(items) if item.return_logprobs]
         if not wanted:
-            return out
+            return out, tops
         processed = result.processed
         sampling_row = {int(b): i for i, b in enumerate((~greedy).nonzero().squeeze(1).tolist())}
         for b in wanted:
             n = int(result.num_accepted[b])
+            k = items[b].top_logprobs
             tokens = result.output_tokens[b, : n + 1]
+            positions = torch.arange(n + 1, device=logits.device)
             if items[b].params.greedy:
                 lp = logits[b, : n + 1].double().log_softmax(-1)
-                values = lp[torch.arange(n + 1), tokens]
+                values = lp[positions, tokens]
+                top_lp, top_ids = lp.topk(k, dim=-1) if k else (None, None)
             else:
-                rows = sampling_row[b] * logits.shape[1] + torch.arange(n + 1, device=logits.device)
+                rows = sampling_row[b] * logits.shape[1] + positions
                 values = processed.prob(rows, tokens).log()
+                top_lp, top_ids = processed.top(rows, k) if k else (None, None)
             out[b] = values.tolist()
-        return out
+            if k:
+                tops[b] = [
+                    (
+                        [int(t) for t, v in zip(ids, lps) if v != float("-inf")],
+                        [float(v) for v in lps if v != float("-inf")],
+                    )
+                    for ids, lps in zip(top_ids.tolist(), top_lp.tolist())
+                ]
+        return out, tops
 
 
 def draft_block(items: list[VerifyItem], gamma: int, device) -> DraftBlock:

@@ -6,8 +6,13 @@ import time
 
 from specdec.errors import InvalidArgument
 from specdec.serving.rpc import rpc
-from specdec.serving.wire import check_draft_dists, check_tokens, sampling_from_proto
-from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.serving.wire import (
+    check_draft_dists,
+    check_tokens,
+    check_top_logprobs,
+    sampling_from_proto,
+)
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.worker.batcher import Batcher
 from specdec.worker.service import WorkerService
 from specdec.worker.session_table import SessionTable
@@ -51,6 +56,7 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
             )
         dists = list(request.draft_dists)
         check_draft_dists(candidates, dists, runtime.vocab_size)
+        check_top_logprobs(request.top_logprobs)
         params = sampling_from_proto(request.sampling)
         if request.max_output_tokens:
             candidates = candidates[: request.max_output_tokens - 1]
@@ -70,6 +76,7 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
                 params=params,
                 seed=request.seed,
                 return_logprobs=request.return_logprobs,
+                top_logprobs=request.top_logprobs if request.return_logprobs else 0,
             )
             tokens = len(session.pending()) + len(candidates)
             self.table.enforce_memory()  # before the pass, not only after it
@@ -81,6 +88,10 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
             num_accepted=outcome.num_accepted,
             output_ids=outcome.output_ids,
             output_logprobs=outcome.logprobs,
+            output_top_logprobs=[
+                common_pb2.TopLogprobs(token_ids=ids, logprobs=lps)
+                for ids, lps in outcome.top_logprobs or []
+            ],
             queue_ns=run.queue_ns,
             forward_ns=run.forward_ns,
             total_ns=time.perf_counter_ns() - start,

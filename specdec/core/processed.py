@@ -80,6 +80,16 @@ class Processed:
         p = torch.exp(z.double() - self.log_z[rows])
         return torch.where(z >= self.tau[rows], p, torch.zeros_like(p))
 
+    def top(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k likeliest tokens of rows and their log p, float64 ([len(rows), k] each; a
+        kept set smaller than k pads with −inf). From the top window: k ≤ its width."""
+        if k > self.top_z.shape[1]:
+            raise ValueError(f"top: k = {k} exceeds the window of {self.top_z.shape[1]}")
+        z, ids = self.top_z[rows, :k], self.top_ids[rows, :k]
+        log_p = z.double() - self.log_z[rows, None]
+        kept = z >= self.tau[rows, None]
+        return torch.where(kept, log_p, torch.full_like(log_p, float("-inf"))), ids
+
     def dense(self, rows: torch.Tensor) -> torch.Tensor:
         """Whole distributions [len(rows), vocab] float64: one row per session, never all."""
         z = self.logits[rows].float() / self.temperature[rows, None]

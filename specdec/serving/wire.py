@@ -84,6 +84,15 @@ def validate_sparse(ids: list[int], weights: list[int], vocab: int, field: str) 
         raise InvalidArgument(f"{field}.weights must have a positive sum")
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+
+
+def check_top_logprobs(value: int) -> int:
+    if value > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs: {value} exceeds the limit of {MAX_TOP_LOGPROBS}")
+    return value
+
+
 def check_draft_dists(candidates: list[int], dists, vocab: int) -> None:
     """Raise InvalidArgument naming the field unless `dists` holds one valid q̃ per candidate
     (or none: token-only) and each gives its candidate a positive weight."""
@@ -122,6 +131,8 @@ def merge_chunk(response: coordinator_pb2.GenerateResponse, chunk) -> None:
     response.session_id = chunk.session_id
     response.token_ids.extend(chunk.token_ids)
     response.text += chunk.text
+    response.logprobs.extend(chunk.logprobs)
+    response.top_logprobs.extend(chunk.top_logprobs)
     if chunk.finish_reason:
         response.finish_reason = chunk.finish_reason
         response.stats.CopyFrom(chunk.stats)

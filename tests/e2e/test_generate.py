@@ -179,7 +179,8 @@ BAD = [
         "speculation.num_speculative_tokens",
     ),
     (dict(session_id="bad id with spaces"), "session_id"),
-    (dict(return_logprobs=True), "return_logprobs"),  # not served yet: refused, not ignored
+    (dict(return_logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(top_logprobs=2), "top_logprobs needs return_logprobs"),
 ]
 
 
@@ -431,3 +432,73 @@ def test_one_of_two_streams_leaving_does_not_cancel_the_session(stub):
     chunks = [first, *staying]
     assert chunks[-1].finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
     assert sum(len(c.token_ids) for c in chunks) == 300
+
+
+# --- log-probabilities: the target's, so they equal Hugging Face's at the same positions ---
+
+
+def hf_logprobs(hf, prompt_ids: list[int], tokens: list[int], temperature=0.0, top_p=1.0):
+    """log p of each token given the prompt and the tokens before it, from one HF forward:
+    the raw log-softmax for greedy, else after HF's own temperature and top-p warpers."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    model, _ = hf
+    ids = torch.tensor([prompt_ids + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    if temperature > 0:
+        logits = TemperatureLogitsWarper(temperature)(ids, logits)
+        if top_p < 1.0:
+            logits = TopPLogitsWarper(top_p)(ids, logits)
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+@pytest.mark.parametrize("gamma", [0, 2, 5])
+@pytest.mark.parametrize("mode", ["greedy", "sampling"])
+def test_logprobs_equal_hugging_face_whatever_gamma(stub, hf, gamma, mode):
+    sampling = dict(temperature=0.8, top_p=0.9, seed=3) if mode == "sampling" else {}
+    req = request("def add(a, b):", gamma, max_new_tokens=20, **sampling)
+    req.return_logprobs, req.top_logprobs = True, 3
+    response = stub.Generate(req, timeout=60)
+    tokens = list(response.token_ids)
+    prompt_ids = hf[1].encode("def add(a, b):")
+    lp = hf_logprobs(
+        hf, prompt_ids, tokens, **({} if mode == "greedy" else dict(temperature=0.8, top_p=0.9))
+    )
+    assert len(response.logprobs) == len(tokens) == len(response.top_logprobs) == 20
+    want = lp[torch.arange(len(tokens)), torch.tensor(tokens)]
+    assert torch.allclose(
+        torch.tensor(list(response.logprobs), dtype=torch.float64), want, atol=2e-4
+    )
+    for i, top in enumerate(response.top_logprobs):
+        values, ids = lp[i].topk(3)
+        kept = values > float("-inf")
+        assert list(top.token_ids) == ids[kept].tolist(), i
+        assert list(top.logprobs) == pytest.approx(values[kept].tolist(), abs=2e-4)
+
+
+def test_logprobs_negative_control_wrong_position_fails(stub, hf):
+    """The comparison above can fail: shifted by one position, HF's values no longer match."""
+    req = request("def add(a, b):", 2, max_new_tokens=12)
+    req.return_logprobs = True
+    response = stub.Generate(req, timeout=60)
+    tokens = list(response.token_ids)
+    lp = hf_logprobs(hf, hf[1].encode("def add(a, b):") + tokens[:1], tokens[1:])
+    shifted = lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+    got = torch.tensor(list(response.logprobs)[:-1], dtype=torch.float64)
+    assert not torch.allclose(got, shifted, atol=2e-4)
+
+
+def test_a_resumed_stream_gets_the_stored_logprobs(stub):
+    req = request("import os\n", 3, max_new_tokens=16, session_id="logprob-resume")
+    req.return_logprobs, req.top_logprobs = True, 2
+    whole = stub.Generate(req, timeout=60)
+    again = coordinator_pb2.GenerateRequest(session_id="logprob-resume", resume_from=5)
+    chunks = list(stub.GenerateStream(again, timeout=60))
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    tops = [list(t.token_ids) for c in chunks for t in c.top_logprobs]
+    assert logprobs == list(whole.logprobs)[5:]
+    assert tops == [list(t.token_ids) for t in whole.top_logprobs][5:]

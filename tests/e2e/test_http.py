@@ -113,6 +113,45 @@ def test_token_id_prompt_and_streamed_completion(stack, oai, model, hf):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
 
 
+def test_completion_logprobs_are_the_grpc_ones_streamed_or_not(stack, oai, model):
+    with Client(stack.address, **stack.client_options()) as client:
+        reference = client.generate(
+            PROMPT,
+            max_new_tokens=12,
+            ignore_eos=True,
+            temperature=0,
+            return_logprobs=True,
+            top_logprobs=3,
+        )
+    out = oai.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    block = out.choices[0].logprobs
+    assert block.token_logprobs == pytest.approx(list(reference.logprobs), abs=1e-4)
+    assert len(block.tokens) == 12 and all(len(top) >= 1 for top in block.top_logprobs)
+    assert "".join(block.tokens) == out.choices[0].text
+    streamed = [
+        lp
+        for chunk in oai.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            logprobs=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for lp in chunk.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed == pytest.approx(list(reference.logprobs), abs=1e-4)
+
+
 def test_chat_is_refused_clearly_without_a_chat_template(oai, model):
     """The tiny code model has no chat template: 400 naming messages, OpenAI's error shape."""
     with pytest.raises(openai.BadRequestError) as info:
@@ -146,7 +185,7 @@ def post(stack, path, body, key=KEY, raw: bytes | None = None):
         ({"prompt": PROMPT, "max_tokens": 10**7}, 400, "max_tokens"),
         ({"prompt": PROMPT, "n": 2}, 400, "n"),
         ({"prompt": PROMPT, "presence_penalty": 0.5}, 400, "presence_penalty"),
-        ({"prompt": PROMPT, "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": PROMPT, "logprobs": 21}, 400, "logprobs"),
         ({"prompt": PROMPT, "stop": ["x"] * 40}, 400, "stop"),
         ({"prompt": PROMPT, "no_such_field": 1}, 400, "no_such_field"),
         ({"prompt": [10**9]}, 400, "prompt"),

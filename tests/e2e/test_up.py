@@ -164,14 +164,26 @@ def test_openai_chat_equals_hugging_face_generate_streamed_or_not(up, hf):
     (model,) = [m.id for m in client.models.list().data]
     assert model == "smollm2-135m-instruct"
     with Client(up["address"], timeout_s=120) as grpc_client:
-        reference = grpc_client.generate(CHAT, max_new_tokens=N, ignore_eos=True, temperature=0)
+        reference = grpc_client.generate(
+            CHAT, max_new_tokens=N, ignore_eos=True, temperature=0, top_logprobs=2
+        )
     assert list(reference.token_ids) == hf_greedy(hf, CHAT, N)
     expected = reference.text
     extra = {"ignore_eos": True}
     whole = client.chat.completions.create(
-        model=model, messages=CHAT, max_tokens=N, temperature=0, extra_body=extra
+        model=model,
+        messages=CHAT,
+        max_tokens=N,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=extra,
     )
     assert whole.choices[0].message.content == expected
+    content = whole.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(list(reference.logprobs), abs=1e-4)
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy: top
     assert whole.choices[0].message.role == "assistant"
     assert whole.usage.prompt_tokens == len(prompt_ids(hf[1], CHAT))
     assert whole.usage.completion_tokens == N

@@ -88,6 +88,7 @@ def test_create_writes_the_hash_and_the_lease(url, db, sid):
         "sampling": json.dumps({"temperature": 0.7, "top_p": 0.9}),
         "seed": str(2**40 + 7),
         "gamma": "",
+        "logprobs": "",
         "owner": "c1",
         "status": "running",
         "finish_reason": "",
@@ -95,7 +96,7 @@ def test_create_writes_the_hash_and_the_lease(url, db, sid):
         "tail": "",
     }
     assert db.get(k.lease) == "c1" and 0 < db.pttl(k.lease) <= LEASE_MS
-    assert 0 < db.ttl(k.hash) <= TTL_S and not db.exists(k.tokens, k.text, k.cancel)
+    assert 0 < db.ttl(k.hash) <= TTL_S and not db.exists(k.tokens, k.text, k.cancel, k.logprobs)
 
 
 def test_create_refuses_an_existing_id(url, db, sid):
@@ -193,11 +194,31 @@ def test_commit_after_cancel_finishes_the_session(url, db, sid, reason, expected
     assert 0 < db.ttl(k.hash) <= TTL_S
 
 
+def test_logprobs_are_committed_with_their_tokens_and_load_back(url, db, sid):
+    rec = record(sid)
+    rec.top_logprobs = 2
+    assert call(url, "create", rec, "c1") is True
+    entries = ["[-0.5, [[7, -0.5], [9, -1.5]]]", "[-0.25, [[8, -0.25], [3, -2.0]]]"]
+    assert call(url, "commit", sid, "c1", 3, 0, [7, 8], ["a", "b"], {}, logprobs=entries) == (
+        5,
+        "",
+    )
+    loaded = call(url, "load", sid)
+    assert (loaded.top_logprobs, loaded.logprobs, loaded.generated) == (2, entries, [7, 8])
+    k = Keys.of(sid)
+    assert 0 < db.ttl(k.logprobs) <= TTL_S
+    with pytest.raises(ValueError, match="log-probability entry"):
+        call(url, "commit", sid, "c1", 5, 0, [1], ["x"], {}, logprobs=[])
+    plain = record(sid + "-plain")
+    assert call(url, "create", plain, "c1") is True
+    assert call(url, "load", sid + "-plain").top_logprobs is None
+
+
 def test_commit_rejects_texts_not_matching_tokens(url, db, sid):
     """One text per token: a mismatch raises ValueError and the session stays as it was."""
     started(url, sid)
     before = snapshot(db, sid)
-    with pytest.raises(ValueError, match="one text per token"):
+    with pytest.raises(ValueError, match="one text"):
         call(url, "commit", sid, "c1", 4, 0, [8, 9], ["x"], {}, "EOS")
     assert snapshot(db, sid) == before
 
