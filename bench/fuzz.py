@@ -44,6 +44,7 @@ FIELDS = (
     "speculation",
     "session_id",
     "return_logprobs",
+    "top_logprobs",
     "request",
     "base",
     "delta",
@@ -89,6 +90,7 @@ def generate_requests(draw) -> coordinator_pb2.GenerateRequest:
         session_id=draw(session_ids),
         resume_from=draw(st.one_of(st.just(0), small, u32)),
         return_logprobs=draw(st.booleans()),
+        top_logprobs=draw(st.one_of(st.just(0), st.integers(0, 25), u32)),
     )
     if draw(st.booleans()):
         msg.speculation.num_speculative_tokens = draw(st.one_of(st.integers(0, 10), u32))
@@ -228,6 +230,8 @@ class Fuzzer:
                     sampling=params,
                     seed=1,
                     max_output_tokens=number,
+                    return_logprobs=number % 2 == 0,
+                    top_logprobs=number % 23,
                 )
                 code = check(self.target.Verify, msg)
             else:
