@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ class RunContext:
     eos_token_ids: tuple[int, ...]
     owner: str  # this coordinator's id in session leases
     shedder: LoadShedder  # refuses new sessions while the target tier is saturated
+    starting: asyncio.Semaphore  # sessions in their first round at once (--max-starting)
     metrics: CoordinatorMetrics | None = None  # None without a --metrics-port
 
     def pool(self, role: str) -> WorkerPool:

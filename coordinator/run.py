@@ -117,11 +117,14 @@ class SessionRun:
 
     async def run(self) -> None:
         try:
-            if self.record.gamma != 0:
-                await self.links.attach("draft", exclude=set())
+            # The first round sends the whole prompt (or a taken-over prefix): only
+            # --max-starting sessions at once, so a burst queues here, not on the workers
+            async with self.ctx.starting:
+                if self.record.gamma != 0:
+                    await self.links.attach("draft", exclude=set())
+                await self._round()
             while self.finish_reason is None:
-                with span("specdec.round", session_id=self.session_id, epoch=self.epoch):
-                    await self.round()
+                await self._round()
         except LostSession as exc:
             log.warning("%s; stopping", exc)
             self.ctx.count("lost")
@@ -137,6 +140,11 @@ class SessionRun:
             if self.record.gamma is None:
                 log.debug("session %s policy: %s", self.session_id, self.policy.describe())
             await self.links.release()
+
+    async def _round(self) -> None:
+        if self.finish_reason is None:
+            with span("specdec.round", session_id=self.session_id, epoch=self.epoch):
+                await self.round()
 
     async def round(self) -> None:
         t0 = time.perf_counter()

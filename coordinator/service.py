@@ -63,6 +63,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             eos_token_ids=eos_token_ids(tokenizer),
             owner=settings.coordinator_id or f"coord-{uuid.uuid4().hex[:12]}",
             shedder=LoadShedder(settings.shed_verify_s),
+            starting=asyncio.Semaphore(settings.max_starting),
             metrics=(
                 telemetry.CoordinatorMetrics(lambda: len(self.sessions))
                 if settings.metrics_port > 0

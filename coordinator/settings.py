@@ -74,6 +74,11 @@ class CoordinatorSettings(SecurityFlags):
         "a target that lacks more committed tokens than this gets a chunked Prefill first "
         "(so a new prompt does not pad a whole batch of decoding sessions to its length)",
     )
+    max_starting: int = opt(
+        16,
+        "sessions in their first round (prompt prefill and first verify) at once; more wait "
+        "their turn here, so a burst of new prompts never queues on a target past its deadline",
+    )
     shed_verify_s: float = opt(
         10.0,
         "refuse new sessions (RESOURCE_EXHAUSTED) while verify steps (prefill included) take "

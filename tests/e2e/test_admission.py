@@ -254,3 +254,39 @@ def test_new_sessions_are_shed_while_the_target_tier_is_saturated(model_dirs):
         assert first["tokens"] == alone  # the running session was never disturbed
         time.sleep(5.5)
         assert len(client.generate("def g(x):", max_new_tokens=4).token_ids) == 4
+
+
+def test_a_burst_of_new_sessions_starts_a_few_at_a_time_and_all_finish(model_dirs):
+    """--max-starting 1: six sessions arrive together; they take turns for their first round
+    (prefill + first verify), none is refused or fails, each output equals its lone run,
+    and the turns show: the last first token comes after the first session's."""
+    import threading
+
+    from specdec.client import Client
+    from specdec.launcher.stack import Stack, StackSettings
+    from specdec.serving.redis_embedded import free_port
+
+    settings = StackSettings(
+        model_dirs["target"],
+        model_dirs["draft"],
+        port=free_port(),
+        coordinator_args=["--max-starting", "1"],
+    )
+    prompts = [f"def g{i}(x, y):" * 8 for i in range(6)]  # prompts long enough to prefill
+    kwargs = dict(max_new_tokens=12, num_speculative_tokens=2, ignore_eos=True)
+    with Stack(settings) as stack, Client(stack.address) as client:
+        alone = [list(client.generate(p, **kwargs).token_ids) for p in prompts]
+        together: list = [None] * len(prompts)
+
+        def run(i):
+            with Client(stack.address, retries=0) as own:
+                together[i] = own.generate(prompts[i], **kwargs)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert [list(r.token_ids) for r in together] == alone
+    firsts = sorted(r.stats.time_to_first_token_ms for r in together)
+    assert firsts[-1] > firsts[0] * 3, firsts  # one at a time (all at once: ~2×)

@@ -45,7 +45,7 @@ def live_address(stack) -> str:
 
 
 def reference(stack, n=N, **kwargs) -> list[int]:
-    with Client(live_address(stack), timeout_s=120) as client:
+    with Client(live_address(stack), timeout_s=120, **stack.client_options()) as client:
         return list(
             client.generate("def add(a, b):", max_new_tokens=n, ignore_eos=True, **kwargs).token_ids
         )
@@ -54,7 +54,9 @@ def reference(stack, n=N, **kwargs) -> list[int]:
 def stream_and_kill(stack, kill, addresses=None, after_tokens=20, n=N, **kwargs):
     """Stream a session; once `after_tokens` arrived, call kill(); return (tokens, last chunk)."""
     tokens, last, killed = [], None, False
-    with Client(addresses or [live_address(stack)], timeout_s=180, backoff_s=0.3) as client:
+    with Client(
+        addresses or [live_address(stack)], timeout_s=180, backoff_s=0.3, **stack.client_options()
+    ) as client:
         for chunk in client.stream("def add(a, b):", max_new_tokens=n, ignore_eos=True, **kwargs):
             assert chunk.offset == len(tokens), "a token was lost or repeated"
             tokens += list(chunk.token_ids)

@@ -17,6 +17,8 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_faults import live_address as live
+from test_faults import reference, stream_and_kill
 from test_generate import PROMPTS, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,7 +30,6 @@ from specdec.serving.security import ClientTLS
 
 pytestmark = pytest.mark.slow
 KEY = "e2e-secret-key-7f3a"
-N = 96
 LIAR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "liar_worker.py")
 
 
@@ -56,13 +57,6 @@ def hf(model_dirs):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model, AutoTokenizer.from_pretrained(model_dirs["target"])
-
-
-def live(stack) -> str:
-    """The first coordinator while it lives (one test kills it), else the second."""
-    if stack.child("coordinator").alive():
-        return stack.address
-    return f"127.0.0.1:{stack.second_port}"
 
 
 def client(stack, address=None, **overrides) -> Client:
@@ -155,27 +149,6 @@ def test_redis_refuses_a_client_without_the_password(secure):
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.from_url(bare).keys("specdec:*")
     assert redis.from_url(secure.redis_url).ping()
-
-
-def reference(stack, **kwargs) -> list[int]:
-    with client(stack) as c:
-        return list(
-            c.generate("def add(a, b):", max_new_tokens=N, ignore_eos=True, **kwargs).token_ids
-        )
-
-
-def stream_and_kill(stack, kill, addresses=None, after=20, **kwargs):
-    tokens, last, killed = [], None, False
-    with client(stack, addresses, timeout_s=180) as c:
-        for chunk in c.stream("def add(a, b):", max_new_tokens=N, ignore_eos=True, **kwargs):
-            assert chunk.offset == len(tokens), "a token was lost or repeated"
-            tokens += list(chunk.token_ids)
-            last = chunk
-            if not killed and len(tokens) >= after:
-                kill()
-                killed = True
-    assert killed
-    return tokens, last
 
 
 def test_target_worker_dies_under_mtls(secure):
