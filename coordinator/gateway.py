@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.serving.rpc import status_of
 from specdec.serving.security import APIKeys
+from specdec.serving.wire import merge_chunk
 from specdec.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -340,30 +341,24 @@ class Gateway:
             await asyncio.sleep(0.25)
 
     async def _collect(self, request: Request, grpc_request) -> coordinator_pb2.GenerateResponse:
-        """A whole completion; the session is cancelled if the client leaves first."""
-        first, chunks = await self._first_and_rest(grpc_request)
+        """A whole completion; the session is cancelled if the client leaves first (also
+        before its first token)."""
         response = coordinator_pb2.GenerateResponse()
 
-        async def rest():
-            from specdec.serving.wire import merge_chunk
-
-            if first is not None:
-                merge_chunk(response, first)
-            async for chunk in chunks:
+        async def run():
+            async for chunk in self.service.chunks(grpc_request):
                 merge_chunk(response, chunk)
 
-        work = asyncio.ensure_future(rest())
+        work = asyncio.ensure_future(run())
         watcher = asyncio.ensure_future(self._cancel_on_disconnect(request, work))
         try:
             await work
         except asyncio.CancelledError:
             raise APIError(499, "the client disconnected", "cancelled") from None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - mapped like the gRPC service maps it
             raise api_error(exc) from exc
         finally:
             watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await chunks.aclose()
         return response
 
     # --- the endpoints --------------------------------------------------------------
