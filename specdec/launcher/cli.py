@@ -129,8 +129,14 @@ def up(argv: list[str]) -> int:
     p.add_argument(
         "--state-dir",
         default=env_default("state-dir", ""),
-        help="where --tls and --api-key write the CA, certificates and key file (default: a "
-        "temporary directory removed on exit)",
+        help="where --tls, --api-key and the embedded Redis write the CA, certificates, key "
+        "file and Redis data (default: a temporary directory removed on exit)",
+    )
+    p.add_argument(
+        "--redis-dir",
+        default=env_default("redis-dir", ""),
+        help="the embedded Redis's append-only file, so sessions survive a Redis restart "
+        "(default: <state dir>/redis; pass a directory to keep them across runs)",
     )
     p.add_argument(
         "--reflection",
@@ -179,6 +185,8 @@ def up(argv: list[str]) -> int:
             state_dir=args.state_dir,
             reflection=args.reflection,
             http_port=args.http_port,
+            persist_redis=True,
+            redis_dir=args.redis_dir,
         )
     )
     stopping = {"flag": False}
@@ -235,6 +243,9 @@ def up(argv: list[str]) -> int:
             demo(stack.address, args.demo_prompt, chat, stack.client_options())
         print("serving; Ctrl-C stops everything", flush=True)
         while not stopping["flag"]:
+            if stack.redis is not None and not stack.redis.alive():
+                print("specdec up: redis-server exited; restarting it (same data)", flush=True)
+                stack.redis.restart()
             dead = stack.dead_children()
             if dead:
                 child = dead[0]

@@ -51,6 +51,10 @@ class StackSettings:
     state_dir: str = ""  # certificates and the key file (default: a temporary directory)
     reflection: bool = False  # gRPC reflection on every service (specdec up turns it on)
     http_port: int = -1  # the first coordinator's OpenAI-compatible HTTP API (-1 = off)
+    # The embedded Redis persists (append-only file) in redis_dir, default <state_dir>/redis,
+    # so restarting it loses no session; off: in memory only.
+    persist_redis: bool = False
+    redis_dir: str = ""
 
 
 class Child:
@@ -101,10 +105,11 @@ class Stack:
         self.worker_tls: list[str] = []  # flags of a worker (its certificate is shared)
         self.coordinator_security: list[str] = []
 
-    def _prepare_security(self) -> None:
-        """The throwaway CA, one certificate per tier, and the API-key file (hashed keys)."""
+    def _prepare_state(self) -> None:
+        """The state directory: the throwaway CA, one certificate per tier, the API-key file
+        (hashed keys) and the embedded Redis's data, as asked."""
         s = self.settings
-        if not (s.tls or s.api_keys):
+        if not (s.tls or s.api_keys or (s.persist_redis and not s.redis_dir)):
             return
         self.state_dir = s.state_dir or tempfile.mkdtemp(prefix="specdec-up-")
         self._own_state_dir = not s.state_dir
@@ -166,11 +171,15 @@ class Stack:
     def start(self, progress=print) -> Stack:
         s = self.settings
         try:
-            self._prepare_security()
+            self._prepare_state()
             if not self.redis_url:
-                self.redis = EmbeddedRedis().start()
+                data = ""
+                if s.persist_redis:
+                    data = s.redis_dir or os.path.join(self.state_dir, "redis")
+                self.redis = EmbeddedRedis(data_dir=data).start()
                 self.redis_url = self.redis.url
-                progress(f"redis        {redact(self.redis_url)} (embedded redis-server)")
+                kept = f", sessions kept in {data}" if data else ""
+                progress(f"redis        {redact(self.redis_url)} (embedded redis-server{kept})")
             common = ["--log-level", s.log_level, *self._reflection()]
             for i in range(s.target_workers):
                 extra = common + s.target_args

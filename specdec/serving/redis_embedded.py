@@ -33,6 +33,19 @@ def _read_replies(sock: socket.socket, count: int) -> bytes:
     return data
 
 
+def _kept_password(path: str) -> str:
+    """The password stored at `path`, or a new random one written there (mode 0600)."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        password = secrets.token_urlsafe(24)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password)
+        return password
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -40,12 +53,24 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    """A real redis-server on 127.0.0.1; use as a context manager or start()/stop()."""
+    """A real redis-server on 127.0.0.1; use as a context manager or start()/stop().
 
-    def __init__(self, port: int = 0, password: str | None = None):
+    With `data_dir`, it persists: an append-only file (`appendfsync everysec`) in that
+    directory, and its password kept there (mode 0600), so a restart on the same port and
+    directory — `restart()` — comes back with every session and the same URL. Without it, a
+    temporary directory and no persistence (removed on stop)."""
+
+    def __init__(self, port: int = 0, password: str | None = None, data_dir: str = ""):
         self.port = port or free_port()
+        self.persistent = bool(data_dir)
+        if data_dir:
+            os.makedirs(data_dir, mode=0o700, exist_ok=True)
+            self.dir = data_dir
+            if password is None:
+                password = _kept_password(os.path.join(data_dir, "password"))
+        else:
+            self.dir = tempfile.mkdtemp(prefix="specdec-redis-")
         self.password = secrets.token_urlsafe(24) if password is None else password
-        self.dir = tempfile.mkdtemp(prefix="specdec-redis-")
         self.process: subprocess.Popen | None = None
 
     @property
@@ -70,7 +95,11 @@ class EmbeddedRedis:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes" if self.persistent else "no",
+                "--appendfsync",
+                "everysec",
+                "--appendfilename",
+                "specdec.aof",
                 "--protected-mode",
                 "yes",
             ],
@@ -95,7 +124,7 @@ class EmbeddedRedis:
         self.stop()
         raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
 
-    def stop(self) -> None:
+    def stop(self, keep_data: bool = False) -> None:
         if self.process and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -103,7 +132,16 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not (self.persistent or keep_data):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def restart(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        """Start again on the same port, directory and password (after a crash or stop)."""
+        self.stop(keep_data=True)
+        return self.start(timeout_s)
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
