@@ -26,7 +26,7 @@ PASSWORD_ENV = "SPECDEC_REDIS_PASSWORD"
 
 # The least privilege a specdec Redis user needs (docs/security.md): keys under specdec:,
 # no channels, and only the commands the coordinator, the workers and their Lua scripts
-# issue — `ACL SETUSER specdec on >PASSWORD <these rules>`. tests/service/test_security.py
+# issue — `ACL SETUSER specdec on >PASSWORD <these rules>`. tests/service/test_tls.py
 # runs every store and registry operation as such a user.
 REDIS_ACL = (
     "resetkeys",
