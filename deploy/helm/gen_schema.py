@@ -231,6 +231,7 @@ def coordinator() -> Schema:
         },
         {
             "tokenizerPath": {"type": "string", "minLength": 1},
+            "httpPort": integer(0, 65535),  # 0 = off
             "service": obj(
                 {
                     "type": string(["ClusterIP", "NodePort", "LoadBalancer"]),

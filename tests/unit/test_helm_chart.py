@@ -162,7 +162,8 @@ def test_probes_are_grpc_on_each_tiers_port(chart):
     for comp, (_, port, metrics_port, _) in TIERS.items():
         main = container(objects, comp)
         ports = {p["name"]: p["containerPort"] for p in main["ports"]}
-        assert ports == {"grpc": port, "metrics": metrics_port}
+        http = {"http": 8000} if comp == "coordinator" else {}
+        assert ports == {"grpc": port, **http, "metrics": metrics_port}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert main[probe]["grpc"] == {"port": port}
             assert "httpGet" not in main[probe] and "tcpSocket" not in main[probe]
@@ -332,6 +333,8 @@ def test_external_redis_without_url_fails_rendering(chart):
         {"targetWorker": {"config": {"device": "tpu"}}},
         {"draftWorker": {"config": {"proposer": "eagle"}}},
         {"coordinator": {"port": 70000}},
+        {"coordinator": {"httpPort": -1}},  # 0 is off; the program's -1 is not a chart value
+        {"draftWorker": {"httpPort": 8000}},  # only the coordinator serves HTTP
         {"targetWorker": {"replica": 2}},  # a typo is not silently ignored
         {"redis": {"externalUrl": "http://not-redis"}},
     ],
@@ -407,7 +410,7 @@ def test_service_monitors_are_optional(chart):
     )
     assert "coordinator" not in {component(o) for o in objects if o["kind"] == "ServiceMonitor"}
     main = container(objects, "coordinator")
-    assert [p["name"] for p in main["ports"]] == ["grpc"]
+    assert [p["name"] for p in main["ports"]] == ["grpc", "http"]
     assert "prometheus.io/scrape" not in find(objects, "Deployment", "coordinator")["spec"][
         "template"
     ]["metadata"].get("annotations", {})
@@ -676,11 +679,14 @@ def allowed_flows(objects: list[dict[str, Any]]) -> set[tuple[str, str, int, str
 
 
 def documented_flows(
-    clients=OUTSIDER_NAMES, redis: tuple[str, int] = ("redis", 6379)
+    clients=OUTSIDER_NAMES, redis: tuple[str, int] = ("redis", 6379), http_port: int = 8000
 ) -> set[tuple[str, str, int, str]]:
-    """The flow table of deploy/README.md ("Security"): clients -> coordinator gRPC;
-    coordinator -> worker gRPC; the three tiers -> Redis and DNS; Prometheus -> metrics."""
+    """The flow table of deploy/README.md ("Security"): clients -> coordinator gRPC and
+    (unless httpPort is 0) HTTP; coordinator -> worker gRPC; the three tiers -> Redis and
+    DNS; Prometheus -> metrics."""
     flows = {(c, "coordinator", 50051, "TCP") for c in clients}
+    if http_port:
+        flows |= {(c, "coordinator", http_port, "TCP") for c in clients}
     flows |= {("coordinator", "draft-worker", 50061, "TCP")}
     flows |= {("coordinator", "target-worker", 50071, "TCP")}
     for comp, (_, _, metrics_port, _) in TIERS.items():
@@ -726,6 +732,48 @@ def test_network_policies_follow_clients_and_an_external_redis(chart):
 def test_metrics_port_off_closes_its_ingress(chart):
     flows = allowed_flows(render(chart, {"coordinator": {"metricsPort": 0}}))
     assert flows == documented_flows() - {("prometheus", "coordinator", 9090, "TCP")}
+
+
+def test_coordinator_http_api_is_exposed_to_clients_only(chart):
+    objects = render(chart)
+    assert env(objects, "coordinator")["SPECDEC_HTTP_PORT"] == "8000"
+    ports = {p["name"]: p for p in container(objects, "coordinator")["ports"]}
+    assert ports["http"] == {"name": "http", "containerPort": 8000, "protocol": "TCP"}
+    service = {p["name"]: p for p in find(objects, "Service", "coordinator")["spec"]["ports"]}
+    assert service["http"] == {
+        "name": "http",
+        "port": 8000,
+        "targetPort": "http",
+        "protocol": "TCP",
+        "appProtocol": "http",
+    }
+    # Only the coordinator serves HTTP; the workers have neither the port nor the variable.
+    for comp in ("draft-worker", "target-worker"):
+        assert "SPECDEC_HTTP_PORT" not in env(objects, comp)
+        assert "http" not in {p["name"] for p in container(objects, comp)["ports"]}
+        assert "http" not in {p["name"] for p in find(objects, "Service", comp)["spec"]["ports"]}
+    # The same peers as for gRPC, and no one else.
+    apps = [{"namespaceSelector": {"matchLabels": {NS_NAME: "apps"}}}]
+    flows = allowed_flows(render(chart, {"networkPolicy": {"clients": apps}}))
+    assert {s for s, t, p, _ in flows if (t, p) == ("coordinator", 8000)} == {"client"}
+    # Another port moves all four together.
+    objects = render(chart, {"coordinator": {"httpPort": 8080}})
+    assert env(objects, "coordinator")["SPECDEC_HTTP_PORT"] == "8080"
+    assert {p["containerPort"] for p in container(objects, "coordinator")["ports"]} >= {8080}
+    service = {p["name"]: p for p in find(objects, "Service", "coordinator")["spec"]["ports"]}
+    assert service["http"]["port"] == 8080
+    assert allowed_flows(objects) == documented_flows(http_port=8080)
+
+
+def test_http_port_zero_removes_the_port_env_service_port_and_flow(chart):
+    objects = render(chart, {"coordinator": {"httpPort": 0}})
+    assert "SPECDEC_HTTP_PORT" not in env(objects, "coordinator")
+    assert [p["name"] for p in container(objects, "coordinator")["ports"]] == ["grpc", "metrics"]
+    service = find(objects, "Service", "coordinator")["spec"]["ports"]
+    assert [p["name"] for p in service] == ["grpc", "metrics"]
+    flows = allowed_flows(objects)
+    assert flows == documented_flows(http_port=0)
+    assert documented_flows() - flows == {(c, "coordinator", 8000, "TCP") for c in OUTSIDER_NAMES}
 
 
 def test_the_evaluator_notices_a_missing_policy_or_an_extra_flow(chart):

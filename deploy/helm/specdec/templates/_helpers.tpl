@@ -171,11 +171,19 @@ Kubernetes expands from it ($(POD_IP) must be declared first).
   value: {{ .tier.advertiseAddr | default (printf "$(POD_IP):%d" (int .tier.port)) | quote }}
 {{- end }}
 
-{{/* Container ports: "grpc" and, when metricsPort is not 0, "metrics". */}}
+{{/*
+Container ports: "grpc", "http" when the tier has an httpPort (the coordinator's OpenAI-style
+HTTP API) that is not 0, and "metrics" when metricsPort is not 0.
+*/}}
 {{- define "specdec.containerPorts" -}}
 - name: grpc
   containerPort: {{ .port }}
   protocol: TCP
+{{- if gt (int .httpPort) 0 }}
+- name: http
+  containerPort: {{ .httpPort }}
+  protocol: TCP
+{{- end }}
 {{- if gt (int .metricsPort) 0 }}
 - name: metrics
   containerPort: {{ .metricsPort }}
@@ -372,7 +380,10 @@ strategy:
 {{- end }}
 {{- end }}
 
-{{/* Service of a tier: gRPC (h2c) and metrics ports; headless when tier.service.headless. */}}
+{{/*
+Service of a tier: gRPC (h2c), HTTP (when tier.httpPort is set and not 0) and metrics ports;
+headless when tier.service.headless.
+*/}}
 {{- define "specdec.service" -}}
 apiVersion: v1
 kind: Service
@@ -399,6 +410,13 @@ spec:
       targetPort: grpc
       protocol: TCP
       appProtocol: kubernetes.io/h2c
+    {{- if gt (int .tier.httpPort) 0 }}
+    - name: http
+      port: {{ .tier.httpPort }}
+      targetPort: http
+      protocol: TCP
+      appProtocol: http
+    {{- end }}
     {{- if gt (int .tier.metricsPort) 0 }}
     - name: metrics
       port: {{ .tier.metricsPort }}
