@@ -326,8 +326,6 @@ class Gateway:
             first = await chunks.__anext__()
         except StopAsyncIteration:
             return None, chunks
-        except APIError:
-            raise
         except Exception as exc:  # noqa: BLE001 - mapped like the gRPC service maps it
             raise api_error(exc) from exc
         return first, chunks
@@ -410,49 +408,41 @@ class Gateway:
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
-            self._authorize(request)
-            self._check_model(body)
-            _unsupported(body)
-            grpc_request = coordinator_pb2.GenerateRequest(
-                sampling=_sampling(body, body.max_tokens or 16),  # OpenAI's default: 16
-                session_id=uuid.uuid4().hex,
-            )
+            grpc_request = self._begin(request, body, body.max_tokens or 16)  # OpenAI's: 16
             if isinstance(body.prompt, str):
                 grpc_request.prompt = body.prompt
             else:
                 grpc_request.prompt_token_ids.extend(body.prompt)
-            self._speculation(grpc_request, body)
             self._logprobs(grpc_request, body.logprobs is not None, body.logprobs or 0)
-            if body.stream:
-                return await self._stream(request, grpc_request, body, chat=False)
-            response = await self._collect(request, grpc_request)
-            return self._final(response, body, chat=False)
+            return await self._answer(request, grpc_request, body, chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatRequest, request: Request):
-            self._authorize(request)
-            self._check_model(body)
-            _unsupported(body)
-            grpc_request = coordinator_pb2.GenerateRequest(
-                sampling=_sampling(body, body.max_completion_tokens or body.max_tokens),
-                session_id=uuid.uuid4().hex,
-            )
+            grpc_request = self._begin(request, body, body.max_completion_tokens or body.max_tokens)
             grpc_request.messages.extend(
                 coordinator_pb2.ChatMessage(role=m.role, content=_content(m)) for m in body.messages
             )
-            self._speculation(grpc_request, body)
             self._logprobs(grpc_request, body.logprobs, body.top_logprobs or 0)
-            if body.stream:
-                return await self._stream(request, grpc_request, body, chat=True)
-            response = await self._collect(request, grpc_request)
-            return self._final(response, body, chat=True)
+            return await self._answer(request, grpc_request, body, chat=True)
 
         return app
 
-    @staticmethod
-    def _speculation(grpc_request, body: _Common) -> None:
+    def _begin(self, request: Request, body: _Common, max_tokens: int | None):
+        """What both endpoints check first, and the request both build on."""
+        self._authorize(request)
+        self._check_model(body)
+        _unsupported(body)
+        grpc_request = coordinator_pb2.GenerateRequest(
+            sampling=_sampling(body, max_tokens), session_id=uuid.uuid4().hex
+        )
         if body.num_speculative_tokens is not None:
             grpc_request.speculation.num_speculative_tokens = body.num_speculative_tokens
+        return grpc_request
+
+    async def _answer(self, request: Request, grpc_request, body: _Common, chat: bool):
+        if body.stream:
+            return await self._stream(request, grpc_request, body, chat)
+        return self._final(await self._collect(request, grpc_request), body, chat)
 
     @staticmethod
     def _logprobs(grpc_request, wanted: bool, top: int) -> None:
@@ -582,8 +572,6 @@ class Gateway:
                     tail["choices"] = []
                     tail["usage"] = usage(final_stats)
                     yield event(tail)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # noqa: BLE001 - after the 200: an error event, then end
                 err = api_error(exc)
                 yield event(
