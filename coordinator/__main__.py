@@ -7,13 +7,14 @@ import asyncio
 import logging
 import os
 
+from coordinator.discovery import DiscoveryConfigError, check_discovery
 from coordinator.gateway import Gateway, HTTPServer
 from coordinator.service import CoordinatorService
 from coordinator.settings import CoordinatorSettings
 from specdec.catalog import resolve_dir
 from specdec.serving import telemetry
 from specdec.serving.redis_embedded import EmbeddedRedis
-from specdec.serving.registry import redact, redis_client
+from specdec.serving.registry import RedisConfigError, check_redis_url, redact, redis_client
 from specdec.serving.security import SecurityConfigError
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
 from specdec.serving.settings import add_flags, from_args
@@ -111,7 +112,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-starting must be at least 1")
     try:
         check_security(settings)
-    except SecurityConfigError as exc:
+        check_discovery(settings)
+        telemetry.trace_exporters()
+        check_redis_url(settings.redis_url)
+    except (
+        SecurityConfigError,
+        DiscoveryConfigError,
+        telemetry.TracingConfigError,
+        RedisConfigError,
+    ) as exc:
         parser.error(str(exc))
     setup_logging(settings.log_level)
     asyncio.run(main_async(settings))

@@ -224,6 +224,7 @@ def speculation(stats: coordinator_pb2.GenerationStats) -> dict[str, Any]:
         "mean_acceptance_length": stats.mean_acceptance_length,
         "accepted_per_position": list(stats.accepted_per_position),
         "rounds": stats.rounds,
+        "drafts": stats.drafts,
         "mean_speculative_tokens": stats.mean_speculative_tokens,
         "alpha": stats.alpha,
     }

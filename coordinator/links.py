@@ -22,6 +22,7 @@ from coordinator.pool import Worker
 from coordinator.stats import Stats
 from specdec.core.prefix import fingerprint
 from specdec.errors import InvalidArgument, Unavailable
+from specdec.serving.telemetry import client_span, span, trace_metadata
 from specdec.serving.wire import check_draft_dists, check_tokens
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -116,23 +117,33 @@ class SessionLinks:
         return base, common_pb2.TokenDelta(start=start, token_ids=committed[start:])
 
     async def _call(self, link: Link, method: str, committed: list[int], build, timeout: float):
-        """Call a worker; a refused base (FAILED_PRECONDITION) is retried once with the full prefix."""
-        for attempt in range(2):
-            base, delta = self._base(link, committed)
-            worker = link.worker
-            worker.in_flight += 1
-            try:
-                response = await getattr(worker.stub, method)(build(base, delta), timeout=timeout)
-                link.synced = len(committed)
-                return response
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and attempt == 0:
-                    link.synced = 0
-                    continue
+        """Call a worker; a refused base (FAILED_PRECONDITION) is retried once with the full
+        prefix (a `specdec.resync` span)."""
+        tier = "draft" if link is self.draft else "target"
+        try:
+            return await self._send(link, method, committed, build, timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
-            finally:
-                worker.in_flight -= 1
-        raise AssertionError("unreachable")
+        link.synced = 0
+        self.ctx.count("resyncs", tier=tier)
+        with span("specdec.resync", tier=tier, tokens=len(committed)):
+            return await self._send(link, method, committed, build, timeout)
+
+    async def _send(self, link: Link, method: str, committed: list[int], build, timeout: float):
+        base, delta = self._base(link, committed)
+        worker = link.worker
+        worker.in_flight += 1
+        tier = "draft" if link is self.draft else "target"
+        try:
+            with client_span(f"{tier}/{method}", worker=worker.address, delta=len(delta.token_ids)):
+                response = await getattr(worker.stub, method)(
+                    build(base, delta), timeout=timeout, metadata=trace_metadata()
+                )
+            link.synced = len(committed)
+            return response
+        finally:
+            worker.in_flight -= 1
 
     async def attach(self, role: str, exclude: set[str]) -> bool:
         """(Re)assign a worker of `role`, bump the epoch in Redis; False when none is left."""
@@ -182,26 +193,43 @@ class SessionLinks:
         self.ctx.count("failovers", tier=role)
 
     async def propose(
-        self, committed: list[int], build, gamma: int
+        self, committed: list[int], build, gamma: int, keep_gamma: bool = False
     ) -> draft_pb2.ProposeResponse | None:
-        """Candidates from the draft; None when it failed or answered nonsense (this round
-        then goes target-only)."""
-        address = self.draft.worker.address
-        try:
-            response = await self._call(
-                self.draft, "Propose", committed, build, self.ctx.settings.draft_timeout_s
-            )
-            check_proposal(response, gamma, self.draft.worker.info.vocab_size)
-            return response
-        except (grpc.aio.AioRpcError, BadAnswer) as exc:
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == BUSY:
-                self.ctx.count("backpressure", tier="draft")
-                return None
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in FAILOVER_CODES:
-                raise
-            self._failed("draft", address, exc)
-            await self.attach("draft", exclude={address})
-            return None
+        """Candidates from the draft; None when it failed, was full or answered nonsense (this
+        round then goes target-only).
+
+        With `keep_gamma` (the request fixed γ) a failed draft is replaced and the round is
+        proposed again on the new one (each failed draft is out for a while, so this ends),
+        and a full one is waited for (within --draft-timeout-s), so the γ schedule — and with it a seeded sampled text — is the
+        same as in a run without the fault; target-only only when no draft answers."""
+        deadline = time.monotonic() + self.ctx.settings.draft_timeout_s
+        busy = 0
+        while self.draft.worker is not None:
+            address = self.draft.worker.address
+            try:
+                response = await self._call(
+                    self.draft, "Propose", committed, build, self.ctx.settings.draft_timeout_s
+                )
+                check_proposal(response, gamma, self.draft.worker.info.vocab_size)
+                return response
+            except (grpc.aio.AioRpcError, BadAnswer) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == BUSY:
+                    self.ctx.count("backpressure", tier="draft")
+                    busy += 1
+                    if not keep_gamma or time.monotonic() > deadline:
+                        return None
+                    await asyncio.sleep(min(0.2, 0.005 * 2**busy))
+                    continue
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in FAILOVER_CODES:
+                    raise
+                with span("specdec.failover", tier="draft", worker=address) as s:
+                    self._failed("draft", address, exc)
+                    attached = await self.attach("draft", exclude={address})
+                    if s is not None:
+                        s.set_attribute("to", self.draft.worker.address if attached else "")
+                if not (keep_gamma and attached):  # a failed draft is out for 5 s: bounded
+                    return None
+        return None
 
     async def verify(
         self, committed: list[int], build, candidates: list[int], max_output: int
@@ -242,7 +270,8 @@ class SessionLinks:
             except BadAnswer as exc:
                 failure = exc
             address = self.target.worker.address
-            self._failed("target", address, failure)
+            with span("specdec.failover", tier="target", worker=address):
+                self._failed("target", address, failure)
             failed.add(address)
             self.target.worker = None
             if time.monotonic() > deadline:
@@ -252,24 +281,36 @@ class SessionLinks:
 
     async def _prefill_if_long(self, committed: list[int]) -> None:
         """Send a long missing prefix as a chunked Prefill, so it does not stall a batch."""
-        if len(committed) - self.target.synced > self.ctx.settings.prefill_threshold:
-            await self._call(
-                self.target,
-                "Prefill",
-                committed,
-                lambda base, delta: target_pb2.PrefillRequest(base=base, delta=delta),
-                self.ctx.settings.worker_timeout_s,
-            )
+        missing = len(committed) - self.target.synced
+        if missing > self.ctx.settings.prefill_threshold:
+            with span("specdec.prefill", tokens=missing):
+                await self._call(
+                    self.target,
+                    "Prefill",
+                    committed,
+                    lambda base, delta: target_pb2.PrefillRequest(base=base, delta=delta),
+                    self.ctx.settings.worker_timeout_s,
+                )
 
     async def release(self) -> None:
-        """Free the session's KV on both workers (best effort: a dead worker holds nothing)."""
+        """Free the session's KV on both workers (best effort: a dead worker holds nothing).
+        Its span may end after the request's: the stream has its last token by then."""
+        with span("specdec.release"):
+            await self._release()
+
+    async def _release(self) -> None:
         for link in (self.draft, self.target):
             if link.worker is None:
                 continue
             link.worker.sessions.discard(self.session_id)
             # NOT_FOUND there already, or the worker is gone: nothing to free either way
-            with contextlib.suppress(grpc.aio.AioRpcError):
+            tier = "draft" if link is self.draft else "target"
+            with (
+                contextlib.suppress(grpc.aio.AioRpcError),
+                client_span(f"{tier}/Release", worker=link.worker.address),
+            ):
                 await link.worker.stub.Release(
                     common_pb2.ReleaseRequest(session_id=self.session_id, epoch=self.epoch),
                     timeout=2.0,
+                    metadata=trace_metadata(),
                 )

@@ -1,5 +1,6 @@
-"""Worker pools of the coordinator: static addresses plus the Redis registry, vocabulary
-checks, session affinity and least-load placement."""
+"""Worker pools of the coordinator: static addresses plus a discovery (the Redis registry by
+default; coordinator/discovery.py), vocabulary checks, session affinity and least-load
+placement."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.serving.registry import list_workers
+from coordinator.discovery import Discovery, RedisDiscovery, StaticDiscovery
 from specdec.serving.security import ClientTLS, SecurityConfigError
 from specdec.serving.server import channel
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -48,11 +49,16 @@ class WorkerPool:
         redis=None,
         timeout_s: float = 5.0,
         tls: ClientTLS | None = None,
+        discovery: Discovery | None = None,
     ):
+        """`discovery` finds workers besides `static` (its owner starts and closes it);
+        without one, `redis` is short for RedisDiscovery(redis), and no redis for static."""
         self.role = role
         self.static = [a for a in static if a]
         self.vocab_fingerprint = vocab_fingerprint
-        self.redis = redis
+        if discovery is None:
+            discovery = RedisDiscovery(redis) if redis is not None else StaticDiscovery()
+        self.discovery = discovery
         self.timeout_s = timeout_s
         self.tls = tls
         self._tls_stamp = tls.stamp() if tls else None
@@ -116,29 +122,20 @@ class WorkerPool:
             )
 
     async def refresh(self) -> None:
-        """Pick up static and registered workers; forget registered ones that expired."""
+        """Pick up static and discovered workers; forget discovered ones that went away."""
         async with self._lock:
             if self.tls is not None:
                 await self._rotate_channels()
-            registered: dict[str, dict] = {}
-            if self.redis is not None:
-                try:
-                    for entry in await list_workers(self.redis, self.role):
-                        registered[entry["address"]] = entry
-                except Exception as exc:  # noqa: BLE001 - keep the workers we know
-                    log.warning("registry read failed: %s", exc)
-            wanted = set(self.static) | set(registered)
+            discovered = await self.discovery.addresses(self.role)  # address → load hint
+            wanted = set(self.static) | set(discovered)
             for address in wanted:
                 if address not in self.workers and address not in self.refused:
                     await self._connect(address)
-                if address in registered and address in self.workers:
-                    self.workers[address].registry_load = float(
-                        registered[address].get("load", 0.0)
-                    )
-            if self.redis is not None:
-                for address in list(self.workers):
-                    if address not in wanted:
-                        await self.workers.pop(address).channel.close()
+                if address in discovered and address in self.workers:
+                    self.workers[address].registry_load = discovered[address]
+            for address in list(self.workers):  # static ones are always wanted
+                if address not in wanted:
+                    await self.workers.pop(address).channel.close()
 
     def alive(self) -> list[Worker]:
         now = time.monotonic()

@@ -143,10 +143,23 @@ class SessionRun:
 
     async def _round(self) -> None:
         if self.finish_reason is None:
-            with span("specdec.round", session_id=self.session_id, epoch=self.epoch):
-                await self.round()
+            with span(
+                "specdec.round",
+                session_id=self.session_id,
+                epoch=self.epoch,
+                round=self.stats.rounds + 1,
+            ) as s:
+                outcome = await self.round()
+                if s is not None:
+                    s.set_attributes(
+                        {
+                            "gamma": outcome.gamma,
+                            "accepted": outcome.accepted,
+                            "tokens": len(outcome.tokens),
+                        }
+                    )
 
-    async def round(self) -> None:
+    async def round(self) -> RoundOutcome:
         t0 = time.perf_counter()
         await self._reattach_draft()
         gamma = self.choose_gamma()
@@ -155,10 +168,12 @@ class SessionRun:
         result = await self.verify(proposal)
         t2 = time.perf_counter()
         outcome = self.accept(proposal, result)
-        await self.commit(outcome)
+        with span("specdec.commit", tokens=len(outcome.tokens)):
+            await self.commit(outcome)
         self.publish(outcome)
         round_s = time.perf_counter() - t0
         self.record_round(outcome, proposal, result, (t0, t1, t2), round_s)
+        return outcome
 
     # --- the steps of a round -------------------------------------------------------
 
@@ -189,6 +204,7 @@ class SessionRun:
                 seed=self.record.seed,
             ),
             gamma,
+            keep_gamma=self.record.gamma is not None,
         )
 
     async def verify(self, proposal) -> target_pb2.VerifyResponse:
@@ -308,11 +324,20 @@ class SessionRun:
             return
         m.rounds.add(1)
         m.generated.add(len(tokens))
-        m.draft_tokens.add(gamma)
-        m.accepted.add(accepted)
+        m.speculative_tokens.record(gamma)
+        if gamma:
+            m.drafts.add(1)
+            m.draft_tokens.add(gamma)
+            m.accepted.add(accepted)
+            for position in range(accepted):
+                m.accepted_per_pos.add(1, {"position": str(position)})
         m.round_seconds.record(round_s)
         m.acceptance_length.record(accepted + 1)
         if self.stats.rounds == 1 and self.stats.first_token_s is not None:
             m.ttft.record(self.stats.first_token_s)
         if reason is not None:
             m.requests.add(1, {"finish_reason": reason.name})
+            elapsed = time.time() - self.started
+            m.e2e.record(elapsed)
+            if len(self.generated) > 1 and self.stats.first_token_s is not None:
+                m.tpot.record((elapsed - self.stats.first_token_s) / (len(self.generated) - 1))

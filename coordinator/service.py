@@ -9,6 +9,7 @@ import time
 import uuid
 
 from coordinator.context import RunContext
+from coordinator.discovery import build_discovery
 from coordinator.policy import CostModel
 from coordinator.pool import WorkerPool
 from coordinator.sessions import Sessions
@@ -53,22 +54,33 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.redis = redis
         fp = vocab_fingerprint(tokenizer)
         timeout, tls = settings.worker_timeout_s, settings.worker_tls()
+        self.discovery = build_discovery(settings, redis)  # shared by both pools
+        metrics = (
+            telemetry.CoordinatorMetrics(lambda: len(self.sessions))
+            if settings.metrics_port > 0
+            else None
+        )
         self.ctx = RunContext(
             settings=settings,
-            store=SessionStore(redis, settings.lease_s, settings.session_ttl_s),
-            drafts=WorkerPool("draft", _addresses(settings.draft_addr), fp, redis, timeout, tls),
-            targets=WorkerPool("target", _addresses(settings.target_addr), fp, redis, timeout, tls),
+            store=SessionStore(
+                redis,
+                settings.lease_s,
+                settings.session_ttl_s,
+                observe=metrics.observe_redis if metrics is not None else None,
+            ),
+            drafts=WorkerPool(
+                "draft", _addresses(settings.draft_addr), fp, None, timeout, tls, self.discovery
+            ),
+            targets=WorkerPool(
+                "target", _addresses(settings.target_addr), fp, None, timeout, tls, self.discovery
+            ),
             costs=CostModel(),
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids(tokenizer),
             owner=settings.coordinator_id or f"coord-{uuid.uuid4().hex[:12]}",
             shedder=LoadShedder(settings.shed_verify_s),
             starting=asyncio.Semaphore(settings.max_starting),
-            metrics=(
-                telemetry.CoordinatorMetrics(lambda: len(self.sessions))
-                if settings.metrics_port > 0
-                else None
-            ),
+            metrics=metrics,
         )
         self.sessions = Sessions(self.ctx)
         self.draining = False  # SIGTERM: ending streams hand sessions over, never cancel them
@@ -79,6 +91,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # --- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.discovery.start()
         await self.refresh_workers()
         task = asyncio.create_task(self._background())
         self._tasks.add(task)
@@ -107,6 +120,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         await self.sessions.stop()
         await self.ctx.drafts.close()
         await self.ctx.targets.close()
+        await self.discovery.close()
 
     def ready(self) -> bool:
         return bool(self.ctx.targets.alive())

@@ -22,6 +22,7 @@ from coordinator.run import SessionRun
 from coordinator.store import LostSession, SessionRecord
 from specdec.core.params import SamplingParams
 from specdec.errors import Conflict, Exhausted, InvalidArgument, NotFound, OutOfRange, Unavailable
+from specdec.serving.telemetry import span
 from specdec.text.detok import FinishReason
 
 log = logging.getLogger(__name__)
@@ -110,13 +111,17 @@ class Sessions:
             raise NotFound(f"session_id {session_id!r} is unknown or expired")
         if record.status == "finished":
             return None
-        epoch = await self.ctx.store.take_over(record.session_id, self.ctx.owner)
-        if epoch is None:
-            return None  # another live coordinator runs it: follow it in Redis
-        record = await self.ctx.store.load(record.session_id)
-        if record is None:
-            raise NotFound(f"session_id {session_id!r} is unknown or expired")
-        run = self._spawn(record, epoch, SamplingParams.from_dict(record.sampling, record.seed))
+        with span("specdec.takeover", session_id=session_id) as s:
+            epoch = await self.ctx.store.take_over(record.session_id, self.ctx.owner)
+            if epoch is None:
+                return None  # another live coordinator runs it: follow it in Redis
+            record = await self.ctx.store.load(record.session_id)
+            if record is None:
+                raise NotFound(f"session_id {session_id!r} is unknown or expired")
+            if s is not None:
+                s.set_attributes({"epoch": epoch, "generated": len(record.generated)})
+            # the run's rounds are children of this span (its task copies the context)
+            run = self._spawn(record, epoch, SamplingParams.from_dict(record.sampling, record.seed))
         run.stats.takeovers += 1
         self.ctx.count("takeovers")
         log.info(
@@ -158,6 +163,8 @@ class Sessions:
         )
         if not await self.ctx.store.create(record, self.ctx.owner):
             return await self._attach(record.session_id)  # lost a creation race: the winner's
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.prompt_tokens.add(len(record.prompt))
         return self._spawn(record, record.epoch, params)
 
     def _spawn(self, record: SessionRecord, epoch: int, params: SamplingParams) -> SessionRun:

@@ -30,6 +30,32 @@ class CoordinatorSettings(SecurityFlags):
     target_addr: str = opt(
         "", "comma-separated static target worker addresses (besides the registry)"
     )
+    discovery: str = opt(
+        "redis",
+        "where workers are found besides --draft-addr/--target-addr: redis (the registry they "
+        "heartbeat into), kubernetes (the ready endpoints of EndpointSlices, --k8s-*), static "
+        "(nowhere)",
+        choices=["redis", "kubernetes", "static"],
+    )
+    kubeconfig: str = opt(
+        "",
+        "with --discovery kubernetes: kubeconfig file of the API server (empty = the pod's "
+        "service account in a pod, else $KUBECONFIG or ~/.kube/config)",
+    )
+    k8s_namespace: str = opt(
+        "", "namespace of the workers' EndpointSlices (empty = the pod's own, else default)"
+    )
+    k8s_draft_selector: str = opt(
+        "",
+        "label selector of the draft tier's EndpointSlices, e.g. "
+        "kubernetes.io/service-name=specdec-draft-worker (required with --discovery kubernetes)",
+    )
+    k8s_target_selector: str = opt(
+        "",
+        "label selector of the target tier's EndpointSlices, e.g. "
+        "kubernetes.io/service-name=specdec-target-worker (required with --discovery kubernetes)",
+    )
+    k8s_port_name: str = opt("grpc", "name of the EndpointSlice port the workers serve gRPC on")
     max_sessions: int = opt(
         256, "concurrent sessions this coordinator runs (RESOURCE_EXHAUSTED beyond)"
     )

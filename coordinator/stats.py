@@ -10,6 +10,7 @@ from specdec.core.acceptance import alpha_hat
 @dataclass
 class Stats:
     rounds: int = 0
+    drafts: int = 0  # rounds with γ > 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     rejection_rounds: int = 0
@@ -31,6 +32,7 @@ class Stats:
 
     def count_round(self, gamma: int, accepted: int) -> None:
         self.rounds += 1
+        self.drafts += int(gamma > 0)
         self.gamma_sum += gamma
         self.draft_tokens += gamma
         self.accepted_tokens += accepted
@@ -48,6 +50,7 @@ class Stats:
             "prompt_tokens": prompt_tokens,
             "generated_tokens": generated,
             "rounds": self.rounds,
+            "drafts": self.drafts,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": accepted,
             "acceptance_rate": accepted / self.draft_tokens if self.draft_tokens else 0.0,

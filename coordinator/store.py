@@ -17,16 +17,22 @@ crashed and that no client resumes goes away after the TTL, and a finished one s
 for the TTL.
 Creation and every commit are one Lua script each: a commit checks the lease owner, the epoch
 and the expected version, appends tokens and their text and bumps the version atomically
-(docs/architecture.md, invariant 4: commit before stream).
+(docs/architecture.md, invariant 4: commit before stream). Every script and every read takes
+the keys of one session only, so all of it works on a Redis Cluster; calls over many
+sessions (renew_all, release_all) are one pipeline per primary there.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+
+from specdec.serving.redis_topology import run_script_many
 
 PREFIX = "specdec:session:"
 
@@ -120,6 +126,16 @@ redis.call('HSET', KEYS[1], 'draft_worker', ARGV[2], 'target_worker', ARGV[3])
 return epoch
 """
 
+# KEYS: hash, tokens, text, lease, logprobs. The whole session at one instant: {hash as
+# field/value pairs, tokens, texts, lease owner (nil when none), logprobs}. A script, not
+# MULTI, because redis-py's asyncio cluster transaction runs every queued command through a
+# thread and a fresh event loop.
+LOAD = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1),
+  redis.call('LRANGE', KEYS[3], 0, -1), redis.call('GET', KEYS[4]),
+  redis.call('LRANGE', KEYS[5], 0, -1)}
+"""
+
 
 class LostSession(Exception):
     """This coordinator lost the lease or the compare-and-set; it must stop touching the session."""
@@ -169,9 +185,32 @@ class Keys:
         return [self.tokens, self.text, self.logprobs]
 
 
+def timed(method):
+    """Report each call's Redis latency to the store's `observe(op, seconds)` hook (metrics)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, *args, **kwargs):
+        if self.observe is None:
+            return await method(self, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self.observe(method.__name__, time.perf_counter() - t0)
+
+    return wrapper
+
+
 class SessionStore:
-    def __init__(self, redis: aioredis.Redis, lease_s: float, ttl_s: int):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        lease_s: float,
+        ttl_s: int,
+        observe: Callable[[str, float], None] | None = None,
+    ):
         self.redis = redis
+        self.observe = observe
         self.lease_ms = int(lease_s * 1000)
         self.ttl_s = int(ttl_s)
         self._create = redis.register_script(CREATE)
@@ -180,7 +219,9 @@ class SessionStore:
         self._take = redis.register_script(TAKE)
         self._bump = redis.register_script(BUMP)
         self._release = redis.register_script(RELEASE)
+        self._load = redis.register_script(LOAD)
 
+    @timed
     async def create(self, record: SessionRecord, owner: str) -> bool:
         """Create a new session owned by `owner`, atomically; False when the id exists."""
         k = Keys.of(record.session_id)
@@ -204,15 +245,15 @@ class SessionStore:
         args = [owner, self.lease_ms, self.ttl_s, *[x for kv in fields.items() for x in kv]]
         return bool(await self._create(keys=[k.hash, k.lease], args=args))
 
+    @timed
     async def load(self, session_id: str) -> SessionRecord | None:
         k = Keys.of(session_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(k.hash).lrange(k.tokens, 0, -1).lrange(k.text, 0, -1).get(k.lease)
-            pipe.lrange(k.logprobs, 0, -1)
-            raw, tokens, texts, owner, logprobs = await pipe.execute()
-        if not raw or b"prompt" not in raw:
+        pairs, tokens, texts, owner, logprobs = await self._load(
+            keys=[k.hash, k.tokens, k.text, k.lease, k.logprobs]
+        )
+        f = {key.decode(): value.decode() for key, value in zip(pairs[::2], pairs[1::2])}
+        if "prompt" not in f:
             return None
-        f = {key.decode(): value.decode() for key, value in raw.items()}
         return SessionRecord(
             session_id=session_id,
             epoch=int(f["epoch"]),
@@ -236,6 +277,7 @@ class SessionStore:
             logprobs=[entry.decode() for entry in logprobs],
         )
 
+    @timed
     async def take_over(self, session_id: str, owner: str) -> int | None:
         """Acquire an expired (or released) lease; returns the new epoch, None while it is still
         held or when no running session has this id (then there is nothing to take over)."""
@@ -246,6 +288,7 @@ class SessionStore:
         )
         return None if epoch == -1 else int(epoch)
 
+    @timed
     async def renew(self, session_id: str, owner: str, epoch: int) -> bool:
         """Extend our lease; False only when another coordinator may own the session now.
 
@@ -261,30 +304,27 @@ class SessionStore:
             )
         )
 
+    @timed
     async def renew_all(self, owner: str, sessions: list[tuple[str, int]]) -> list[bool]:
         """`renew` for many (session id, epoch) pairs in one pipeline: one round trip per tick
-        however many sessions a coordinator runs."""
+        however many sessions a coordinator runs (on a cluster, one per primary, at once)."""
         if not sessions:
             return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for session_id, epoch in sessions:
-                k = Keys.of(session_id)
-                await self._renew(
-                    keys=[k.lease, k.hash, *k.lists],
-                    args=[owner, self.lease_ms, epoch, self.ttl_s],
-                    client=pipe,
-                )
-            return [bool(result) for result in await pipe.execute()]
+        calls = []
+        for session_id, epoch in sessions:
+            k = Keys.of(session_id)
+            calls.append(([k.lease, k.hash, *k.lists], [owner, self.lease_ms, epoch, self.ttl_s]))
+        return [bool(result) for result in await run_script_many(self.redis, self._renew, calls)]
 
+    @timed
     async def release_all(self, owner: str, session_ids: list[str]) -> int:
         """Give up our leases of these sessions (shutdown); returns how many were ours."""
         if not session_ids:
             return 0
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for session_id in session_ids:
-                await self._release(keys=[Keys.of(session_id).lease], args=[owner], client=pipe)
-            return sum(int(r) for r in await pipe.execute())
+        calls = [([Keys.of(session_id).lease], [owner]) for session_id in session_ids]
+        return sum(int(r) for r in await run_script_many(self.redis, self._release, calls))
 
+    @timed
     async def reassign(self, session_id: str, owner: str, draft: str, target: str) -> int:
         """Record new workers and bump the epoch (workers then refuse the old epoch)."""
         k = Keys.of(session_id)
@@ -293,6 +333,7 @@ class SessionStore:
             raise LostSession(f"session {session_id}: lease lost")
         return int(epoch)
 
+    @timed
     async def commit(
         self,
         session_id: str,
@@ -340,5 +381,6 @@ class SessionStore:
             raise LostSession(f"session {session_id}: commit refused ({why})")
         return int(result), reason.decode() if isinstance(reason, bytes) else reason
 
+    @timed
     async def cancel(self, session_id: str) -> None:
         await self.redis.set(Keys.of(session_id).cancel, "1", ex=self.ttl_s)

@@ -61,9 +61,7 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
             # with n accepted the caller sends the delta from base_len + n whatever n is
             session.tokens[request.base.base_len :] = outcome.candidates
         self.table.enforce_memory()
-        self.record_batch(
-            run.queue_ns, run.forward_ns, run.batch_size, outcome.computed_tokens + gamma
-        )
+        self.record_batch(run, outcome.computed_tokens + gamma)
         dists = [
             common_pb2.SparseDist(token_ids=ids, weights=weights)
             for ids, weights in zip(outcome.dist_ids, outcome.dist_weights)

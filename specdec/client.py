@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
+from opentelemetry import propagate
 
 from specdec.serving.security import ClientTLS
 from specdec.serving.wire import merge, merge_chunk
@@ -103,6 +104,21 @@ class _ClientBase:
         self._index = 0
         self._channel = None
         self._stub = None
+        # the trace id of the latest stream, from the coordinator's W3C `traceresponse`
+        # ('' when the coordinator does not trace)
+        self.trace_id = ""
+
+    def _metadata(self) -> tuple:
+        """The API key, plus the caller's trace context (W3C traceparent) when the calling
+        code runs inside an OpenTelemetry span: the request then joins the caller's trace."""
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        return self.metadata + tuple(carrier.items())
+
+    def _note_trace(self, initial_metadata) -> None:
+        for key, value in initial_metadata or ():
+            if key == "traceresponse" and value.count("-") == 3:
+                self.trace_id = value.split("-")[1]
 
     def _address(self) -> str:
         return self.addresses[self._index % len(self.addresses)]
@@ -151,9 +167,11 @@ class Client(_ClientBase):
         while True:
             request.resume_from = received
             try:
-                for chunk in self._connect().GenerateStream(
-                    request, timeout=self._remaining(deadline), metadata=self.metadata
-                ):
+                call = self._connect().GenerateStream(
+                    request, timeout=self._remaining(deadline), metadata=self._metadata()
+                )
+                self._note_trace(call.initial_metadata())
+                for chunk in call:
                     attempt = 0
                     received = chunk.offset + len(chunk.token_ids)
                     yield chunk
@@ -174,14 +192,14 @@ class Client(_ClientBase):
         return self._connect().GetSession(
             coordinator_pb2.GetSessionRequest(session_id=session_id),
             timeout=10,
-            metadata=self.metadata,
+            metadata=self._metadata(),
         )
 
     def cancel(self, session_id: str) -> coordinator_pb2.CancelSessionResponse:
         return self._connect().CancelSession(
             coordinator_pb2.CancelSessionRequest(session_id=session_id),
             timeout=10,
-            metadata=self.metadata,
+            metadata=self._metadata(),
         )
 
     def __enter__(self) -> Client:
@@ -218,8 +236,9 @@ class AsyncClient(_ClientBase):
             request.resume_from = received
             try:
                 call = self._connect().GenerateStream(
-                    request, timeout=self._remaining(deadline), metadata=self.metadata
+                    request, timeout=self._remaining(deadline), metadata=self._metadata()
                 )
+                self._note_trace(await call.initial_metadata())
                 async for chunk in call:
                     attempt = 0
                     received = chunk.offset + len(chunk.token_ids)

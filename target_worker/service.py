@@ -83,7 +83,7 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
             run = await self.batcher.submit(item, tokens)
             outcome = run.result
         self.table.enforce_memory()
-        self.record_batch(run.queue_ns, run.forward_ns, run.batch_size, outcome.computed_tokens)
+        self.record_batch(run, outcome.computed_tokens)
         return target_pb2.VerifyResponse(
             num_accepted=outcome.num_accepted,
             output_ids=outcome.output_ids,

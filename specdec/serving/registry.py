@@ -8,10 +8,29 @@ import contextlib
 import json
 import logging
 import os
-import urllib.parse
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from specdec.serving.redis_topology import (
+    RedisConfigError,
+    check_redis_url,
+    client_for,
+    parse_redis_url,
+    redact,
+)
+
+__all__ = [
+    "REDIS_ACL",
+    "RedisConfigError",
+    "Registration",
+    "check_redis_url",
+    "list_workers",
+    "parse_redis_url",
+    "redact",
+    "redis_client",
+]
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +46,10 @@ PASSWORD_ENV = "SPECDEC_REDIS_PASSWORD"
 # The least privilege a specdec Redis user needs (docs/security.md): keys under specdec:,
 # no channels, and only the commands the coordinator, the workers and their Lua scripts
 # issue — `ACL SETUSER specdec on >PASSWORD <these rules>`. tests/service/test_tls.py
-# runs every store and registry operation as such a user.
+# runs every store and registry operation as such a user, and
+# tests/service/test_redis_topologies.py does on a Redis Cluster: there the client also
+# reads the slot map (CLUSTER SLOTS; SHARDS on newer clients), the command table (COMMAND)
+# and follows slot migrations (ASKING). READONLY is not needed: specdec never reads replicas.
 REDIS_ACL = (
     "resetkeys",
     "~specdec:*",
@@ -55,31 +77,23 @@ REDIS_ACL = (
     "+evalsha",
     "+script|load",
     "+script|exists",
+    "+cluster|slots",
+    "+cluster|shards",
+    "+command",
+    "+asking",
 )
 
 
-def redis_client(url: str, timeout_s: float = REDIS_TIMEOUT_S, ca: str = "") -> aioredis.Redis:
-    """A client of `url` (redis:// or rediss://; a username and password in the URL, or the
-    password from SPECDEC_REDIS_PASSWORD; `ca` verifies a rediss:// server)."""
+def redis_client(
+    url: str, timeout_s: float = REDIS_TIMEOUT_S, ca: str = ""
+) -> aioredis.Redis | RedisCluster:
+    """A client of `url` — redis:// or rediss://, redis+cluster:// (a RedisCluster) or
+    redis+sentinel:// (the master a Sentinel names, followed across failovers), see
+    specdec/serving/redis_topology.py — with a username and password in the URL, or the
+    password from SPECDEC_REDIS_PASSWORD; `ca` verifies a TLS server. RedisConfigError (naming
+    --redis-url) for a malformed URL."""
     options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-    password = os.environ.get(PASSWORD_ENV)
-    if password and not urllib.parse.urlsplit(url).password:
-        options["password"] = password
-    if ca:
-        options["ssl_ca_certs"] = ca
-    return aioredis.from_url(url, **options)
-
-
-def redact(url: str) -> str:
-    """`url` with its password replaced, for logs and terminals."""
-    parts = urllib.parse.urlsplit(url)
-    if not parts.password:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    return client_for(url, options, os.environ.get(PASSWORD_ENV), ca)
 
 
 def worker_key(role: str, address: str) -> str:
@@ -137,8 +151,9 @@ class Registration:
             await self.redis.aclose()
 
 
-async def list_workers(redis: aioredis.Redis, role: str) -> list[dict]:
-    """Registered workers of one role (entries whose heartbeat has not expired)."""
+async def list_workers(redis: aioredis.Redis | RedisCluster, role: str) -> list[dict]:
+    """Registered workers of one role (entries whose heartbeat has not expired). On a
+    cluster, scan_iter walks every primary (the keys spread over all slots)."""
     workers = []
     async for key in redis.scan_iter(match=f"{PREFIX}{role}:*", count=200):
         raw = await redis.get(key)

@@ -43,7 +43,21 @@ REDIS_TROUBLE = (
     redis.exceptions.ReadOnlyError,
     redis.exceptions.ClusterDownError,
     redis.exceptions.TryAgainError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.RedisClusterException,  # "Redis Cluster cannot be connected"
 )
+# Error replies that mean the same when a client library passes them on as a plain reply
+# error (Redis 6.2 answers a script that writes on a demoted master "... READONLY ...").
+REDIS_TROUBLE_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
+
+
+def _redis_trouble(exc: BaseException) -> bool:
+    if isinstance(exc, REDIS_TROUBLE):
+        return True
+    return isinstance(exc, redis.exceptions.ResponseError) and any(
+        word in str(exc) for word in REDIS_TROUBLE_REPLIES
+    )
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -52,7 +66,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         if isinstance(exc, cls):
             return code, str(exc)
     request_id = uuid.uuid4().hex[:16]
-    if isinstance(exc, REDIS_TROUBLE):  # the store is down, slow or failing over: retry
+    if _redis_trouble(exc):  # the store is down, slow or failing over: retry
         log.warning(
             "session store unavailable, request id %s: %s: %s", request_id, type(exc).__name__, exc
         )
@@ -86,6 +100,10 @@ def _refuse_malformed(request) -> None:
         )
 
 
+def _span_name(service, method) -> str:
+    return f"{type(service).__name__}/{method.__name__}"
+
+
 def rpc(method):
     """Map errors raised by an async handler (unary or streaming) to gRPC statuses."""
     if inspect.isasyncgenfunction(method):
@@ -93,9 +111,12 @@ def rpc(method):
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
             try:
-                _refuse_malformed(request)
-                async for item in method(self, request, context):
-                    yield item
+                with telemetry.server_span(_span_name(self, method), context) as reply:
+                    if reply:
+                        await context.send_initial_metadata(reply)
+                    _refuse_malformed(request)
+                    async for item in method(self, request, context):
+                        yield item
                 _record(self, method.__name__, grpc.StatusCode.OK)
             except grpc.aio.AbortError:
                 raise
@@ -107,8 +128,10 @@ def rpc(method):
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
         try:
-            _refuse_malformed(request)
-            with telemetry.span(f"{type(self).__name__}.{method.__name__}"):
+            with telemetry.server_span(_span_name(self, method), context) as reply:
+                if reply:
+                    await context.send_initial_metadata(reply)
+                _refuse_malformed(request)
                 response = await method(self, request, context)
             _record(self, method.__name__, grpc.StatusCode.OK)
             return response

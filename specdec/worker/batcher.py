@@ -33,6 +33,7 @@ class BatchRun(NamedTuple):
     batch_size: int  # items in the pass
     positions: int  # what the pass computed: batch_size x the longest item (padding included)
     batch_seq: int  # the pass's sequence number on this worker (1, 2, ...)
+    started_ns: int  # wall clock (time.time_ns) when the pass started, for trace spans
 
 
 class Batcher:
@@ -146,6 +147,7 @@ class Batcher:
                 continue
             self._running = batch
             start = time.perf_counter_ns()
+            started_ns = time.time_ns()
             try:
                 results = await loop.run_in_executor(
                     self.executor, self.process, [p.item for p in batch]
@@ -184,5 +186,6 @@ class Batcher:
                             len(batch),
                             positions,
                             self.batches_run,
+                            started_ns,
                         )
                     )

@@ -11,7 +11,7 @@ from google.protobuf.json_format import MessageToDict
 
 from specdec.engine.kv import KVSession
 from specdec.serving import telemetry
-from specdec.serving.registry import Registration
+from specdec.serving.registry import RedisConfigError, Registration, check_redis_url
 from specdec.serving.security import SecurityConfigError
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
 from specdec.serving.settings import add_flags, from_args
@@ -32,6 +32,7 @@ async def serve_worker(settings, role: str, service, service_name: str, warmup) 
             lambda: service.table.kv_bytes,
             lambda: service.batcher.in_flight,
             lambda: service.table.evictions,
+            settings.max_kv_mb * 2**20,
         )
     server = Server([service_name], settings.max_message_mb, reflection=settings.reflection)
     server.add(service, service_name)
@@ -91,7 +92,9 @@ def worker_main(
     settings = from_args(settings_cls, parser.parse_args(argv))
     try:
         settings.validate_tls()
-    except SecurityConfigError as exc:
+        telemetry.trace_exporters()
+        check_redis_url(settings.redis_url)
+    except (SecurityConfigError, telemetry.TracingConfigError, RedisConfigError) as exc:
         parser.error(str(exc))
     if settings.tls_ca and not settings.tls_cert:
         parser.error("--tls-ca (mTLS) needs the worker's own --tls-cert and --tls-key")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from specdec.errors import Exhausted
+from specdec.serving import telemetry
 from specdec.serving.rpc import rpc
 from specdec.serving.wire import check_session_id
 from specdec.v1 import common_pb2
-from specdec.worker.batcher import Batcher
+from specdec.worker.batcher import Batcher, BatchRun
 from specdec.worker.session_table import SessionTable
 
 
@@ -64,12 +65,24 @@ class WorkerService:
             if code == "FAILED_PRECONDITION":
                 self.metrics.resyncs.add(1, self.metrics.attrs)
 
-    def record_batch(self, queue_ns: int, forward_ns: int, batch: int, tokens: int) -> None:
+    def record_batch(self, run: BatchRun, tokens: int) -> None:
+        """Metrics and trace spans of one call's part in a batched pass: its wait for the pass
+        (`queue`) and the pass itself (`forward`, shared with the batch's other calls)."""
+        telemetry.record_span("queue", run.started_ns - run.queue_ns, run.started_ns)
+        telemetry.record_span(
+            "forward",
+            run.started_ns,
+            run.started_ns + run.forward_ns,
+            batch_size=run.batch_size,
+            batch_seq=run.batch_seq,
+            batch_positions=run.positions,
+            tokens=tokens,
+        )
         if self.metrics is not None:
             m = self.metrics
-            m.batch_size.record(batch, m.attrs)
-            m.forward_seconds.record(forward_ns / 1e9, m.attrs)
-            m.queue_seconds.record(queue_ns / 1e9, m.attrs)
+            m.batch_size.record(run.batch_size, m.attrs)
+            m.forward_seconds.record(run.forward_ns / 1e9, m.attrs)
+            m.queue_seconds.record(run.queue_ns / 1e9, m.attrs)
             m.tokens.add(tokens, m.attrs)
 
     @rpc

@@ -248,7 +248,7 @@ def test_prometheus_metrics(model_dirs):
     assert sample(scrape["coordinator"], "specdec_requests_total", finish_reason="LENGTH") == 1.0
     assert sample(scrape["coordinator"], "specdec_generated_tokens_total") == 12.0
     assert sample(scrape["coordinator"], "specdec_round_seconds_count") >= 1.0
-    assert sample(scrape["coordinator"], "specdec_draft_tokens_total") >= 2.0
+    assert sample(scrape["coordinator"], "specdec_spec_decode_num_draft_tokens_total") >= 2.0
     for role in ("target", "draft"):
         assert (sample(scrape[role], "specdec_worker_batch_size_count", role=role) or 0) >= 1.0, (
             scrape[role][-1500:]

@@ -1,0 +1,71 @@
+"""The short chaos run (bench/chaos.py --short): every fault kind once — kill -9 and SIGSTOP of
+a draft, a target and a coordinator, a Redis restart and pause, a slowed and a cut link to a
+target in its own network namespace — while sessions stream; every finished session equals
+its fault-free run token for token (greedy and seeded sampling at a fixed γ)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench.chaos import FAULTS, Link, Outcome, Request, compare, markdown, parse, passed, run
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_fault_kind_once_and_every_session_exact(model_dirs, tmp_path):
+    assert os.geteuid() == 0, "the chaos run needs root: network namespaces and tc"
+    args = parse(
+        [
+            "--short",
+            "--sessions",
+            "16",
+            "--concurrency",
+            "8",
+            "--max-new-tokens",
+            "24",
+            "--fault-gap-s",
+            "1.0",
+            "--max-minutes",
+            "8",
+            "--target-model",
+            model_dirs["target"],
+            "--draft-model",
+            model_dirs["draft"],
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    report = run(args, Link("specdec-chaos-test", subnet=78))
+    summary = markdown(report)
+    assert report["faults"] == dict.fromkeys(FAULTS, 1), summary
+    assert report["chaos"]["resumes"] > 0, summary  # the faults were felt by the clients
+    assert passed(report), summary + f"\n{report['chaos']['mismatches']}"
+
+
+def test_the_comparison_catches_lost_repeated_and_unfinished_sessions():
+    """Negative control of the check above: each way a session can go wrong is counted."""
+    reqs = [Request(i, "x", 0.0, 1, 2, 4) for i in range(4)]
+    ref = {i: Outcome(tokens=[1, 2, 3, 4], finished=True) for i in range(4)}
+    wave = {
+        0: Outcome(tokens=[1, 2, 3, 4], finished=True),  # exact
+        1: Outcome(tokens=[1, 2, 4], finished=True),  # a token lost
+        2: Outcome(tokens=[1, 2, 2, 3, 4], finished=True, repeated=1),  # one repeated
+        3: Outcome(tokens=[1, 2], finished=False, error="NOT_FOUND"),
+    }
+    result = compare(ref, [wave], reqs)
+    assert (result["sessions"], result["finished"], result["exact"]) == (4, 3, 1)
+    assert result["tokens_lost"] == 2 + 2
+    assert result["tokens_repeated_or_wrong"] == 1 + 3 + 1
+    assert [m["request"] for m in result["mismatches"]] == [1, 2]
+    report = {
+        "chaos": result,
+        "faults": dict.fromkeys(FAULTS, 1),
+        "faults_planned": len(FAULTS),
+        "injector_failure": "",
+    }
+    assert not passed(report)
+    result_ok = compare(ref, [ref], reqs)
+    assert passed({**report, "chaos": result_ok})
+    assert not passed({**report, "chaos": result_ok, "faults_planned": len(FAULTS) + 1})
