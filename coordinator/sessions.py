@@ -61,9 +61,11 @@ class Sessions:
         record = entry[0].record if entry else await self.ctx.store.load(session_id)
         if record is None:
             if request.resume_from:
-                raise InvalidArgument(
-                    f"resume_from: session_id {session_id!r} does not exist (a new session "
-                    "starts at 0)"
+                # NOT_FOUND, not INVALID_ARGUMENT: whether it exists is state (it may have
+                # expired, or an external Redis lost it); a resume never starts a new one
+                raise NotFound(
+                    f"resume_from: session_id {session_id!r} does not exist or expired "
+                    "(a new session starts at 0)"
                 )
             return await self._create(request)
         await self._check_reattach(request, record)

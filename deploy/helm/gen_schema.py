@@ -127,26 +127,33 @@ def pdb() -> Schema:
     )
 
 
-def autoscaling() -> Schema:
-    return obj(
-        {
-            "enabled": boolean(),
-            "minReplicas": integer(1),
-            "maxReplicas": integer(1),
-            "targetCPUUtilizationPercentage": integer(1, nullable=True),
-            "targetMemoryUtilizationPercentage": integer(1, nullable=True),
-            "metrics": k8s_list("extra autoscaling/v2 MetricSpecs"),
-            "behavior": k8s_object("autoscaling/v2 HorizontalPodAutoscalerBehavior"),
-        },
-        "HorizontalPodAutoscaler",
-    )
+def autoscaling(*, worker: bool = False) -> Schema:
+    """The HPA of a tier; a worker's also scales on its in-flight calls (a custom metric)."""
+    properties: dict[str, Schema] = {
+        "enabled": boolean(),
+        "minReplicas": integer(1),
+        "maxReplicas": integer(1),
+        "targetCPUUtilizationPercentage": integer(1, nullable=True),
+        "targetMemoryUtilizationPercentage": integer(1, nullable=True),
+        "metrics": k8s_list("extra autoscaling/v2 MetricSpecs"),
+        "behavior": k8s_object("autoscaling/v2 HorizontalPodAutoscalerBehavior"),
+    }
+    if worker:
+        properties["inFlightPerPod"] = number(positive=True, nullable=True)
+    return obj(properties, "HorizontalPodAutoscaler")
 
 
 def gpu() -> Schema:
     return obj({"count": integer(0), "resourceName": string()}, "GPUs per pod")
 
 
-def tier(description: str, config: dict[str, Schema], specific: dict[str, Schema]) -> Schema:
+def tier(
+    description: str,
+    config: dict[str, Schema],
+    specific: dict[str, Schema],
+    *,
+    worker: bool = False,
+) -> Schema:
     """Keys every specdec tier has, plus the tier's own flags (`config`) and extra keys."""
     properties: dict[str, Schema] = {
         "replicas": REPLICAS,
@@ -161,7 +168,7 @@ def tier(description: str, config: dict[str, Schema], specific: dict[str, Schema
         "terminationGracePeriodSeconds": integer(0),
         "probes": probes(),
         "pdb": pdb(),
-        "autoscaling": autoscaling(),
+        "autoscaling": autoscaling(worker=worker),
         "podLabels": string_map("pod labels"),
         "podAnnotations": string_map("pod annotations"),
         "nodeSelector": string_map("nodeSelector"),
@@ -211,6 +218,7 @@ def worker(description: str, role: str) -> Schema:
             "service": obj({"headless": boolean(), "annotations": string_map("annotations")}),
             "runtimeClassName": string(),
         },
+        worker=True,
     )
 
 
@@ -230,6 +238,7 @@ def coordinator() -> Schema:
             "workerTimeoutS": number(positive=True, nullable=True),
         },
         {
+            "discovery": string(["kubernetes", "redis"]),
             "tokenizerPath": {"type": "string", "minLength": 1},
             "httpPort": integer(0, 65535),  # 0 = off
             "service": obj(
@@ -321,6 +330,10 @@ def network_policy() -> Schema:
             "dns": k8s_list("NetworkPolicyPeers serving DNS on port 53; [] = any"),
             "redisEgress": k8s_list("NetworkPolicyPeers of an external Redis; [] = any"),
             "redisEgressPort": integer(1, 65535, nullable=True),
+            "apiServerEgress": k8s_list("NetworkPolicyPeers of the Kubernetes API; [] = any"),
+            "apiServerEgressPorts": {"type": "array", "items": PORT, "minItems": 1},
+            "otelEgress": k8s_list("NetworkPolicyPeers of the OTLP collector; [] = any"),
+            "otelEgressPort": integer(1, 65535, nullable=True),
         },
         "NetworkPolicies: default deny plus the tiers' flows",
     )
@@ -404,6 +417,13 @@ def values_schema() -> Schema:
                 }
             ),
             "reflection": boolean(),
+            "otel": obj(
+                {
+                    "endpoint": {"type": "string", "pattern": "^$|^https?://"},
+                    "extraEnv": k8s_list("extra OTEL_* EnvVars of all three tiers"),
+                },
+                "OpenTelemetry trace export (OTLP/gRPC)",
+            ),
             "tls": tls(),
             "apiKeys": obj(
                 {"enabled": boolean(), "existingSecret": string(), "key": KEY},

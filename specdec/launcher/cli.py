@@ -38,6 +38,7 @@ SERVICES = {
     "bench fuzz": "bench.fuzz",
     "bench load": "bench.load",
     "bench tls": "bench.tls",
+    "bench chaos": "bench.chaos",
 }
 
 
@@ -461,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         return generate(rest)
     if command == "models":
         return models(rest)
-    if command == "bench" and rest and rest[0] in ("workers", "math", "fuzz", "load", "tls"):
+    if command == "bench" and rest and rest[0] in ("workers", "math", "fuzz", "load", "tls", "chaos"):
         command, rest = f"bench {rest[0]}", rest[1:]
     if command not in SERVICES:
         print(f"specdec: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -72,8 +72,6 @@ REDIS_ACL = (
     "+rpush",
     "+lrange",
     "+scan",
-    "+multi",
-    "+exec",
     "+evalsha",
     "+script|load",
     "+script|exists",

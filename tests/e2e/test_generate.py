@@ -416,7 +416,7 @@ def test_reattach_must_repeat_the_request_or_only_name_the_session(stub):
         fresh = request(session_id="never-created-1")
         fresh.resume_from = 2
         stub.Generate(fresh, timeout=30)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "resume_from: session_id 'never-created-1' does not exist" in err.value.details()
 
 

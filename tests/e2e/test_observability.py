@@ -26,6 +26,7 @@ from test_generate import sample
 from specdec.client import Client
 from specdec.launcher.stack import Stack, StackSettings
 from specdec.serving.redis_embedded import free_port
+from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -305,6 +306,7 @@ EVENT_METRICS = (
     "kv_evictions",
 )
 COMPARISON = re.compile(r"\s*(>|<|>=|<=|==|!=)\s*[0-9.e+-]+\s*$")
+SELECTOR = re.compile(r"specdec_[a-z0-9_]+(?:\{[^}]*\})?")
 
 
 def readme_expressions() -> list[str]:
@@ -320,9 +322,11 @@ def readme_expressions() -> list[str]:
 
 
 def rule_and_dashboard_expressions() -> list[str]:
-    from observability_exprs import all_expressions
+    """The alert rules', dashboards' and prometheus-adapter rules' PromQL (Grafana variables
+    substituted)."""
+    from observability_exprs import promql_expressions
 
-    return all_expressions()
+    return [e.promql for e in promql_expressions()]
 
 
 class Prometheus:
@@ -337,16 +341,20 @@ class Prometheus:
         except urllib.error.HTTPError as exc:  # 400 = a PromQL error, with its reason
             return json.load(exc)
 
-    def check(self, expr: str) -> str | None:
-        """None when `expr` evaluates and (unless it only counts rare events) returns data;
-        else why not."""
+    def check(self, expr: str, whole: bool = True) -> str | None:
+        """None when `expr` evaluates and its data is there, else why not. Every series it
+        selects must exist (unless it counts rare events); with `whole`, so must the result
+        (of its left side, for `x > 0.25`: a condition may rightly be empty)."""
         answer = self.query(expr)
         if answer.get("status") != "success":
             return f"{answer.get('errorType')}: {answer.get('error')}"
-        if any(name in expr for name in EVENT_METRICS):
-            return None
-        probe = COMPARISON.sub("", expr)  # `x > 0.25` may be empty; its `x` may not
-        if not self.query(probe)["data"]["result"]:
+        for selector in SELECTOR.findall(expr):
+            if any(name in selector for name in EVENT_METRICS):
+                continue
+            if not self.query(selector)["data"]["result"]:
+                return f"no series {selector}"
+        rare = any(name in expr for name in EVENT_METRICS)
+        if whole and not rare and not self.query(COMPARISON.sub("", expr))["data"]["result"]:
             return "no data"
         return None
 
@@ -362,8 +370,17 @@ def prometheus(observed, tmp_path_factory):
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": rules,
+        # the labels a ServiceMonitor's relabelling gives each target in a cluster
         "scrape_configs": [
-            {"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+            {
+                "job_name": job,
+                "static_configs": [
+                    {
+                        "targets": [f"127.0.0.1:{port}"],
+                        "labels": {"namespace": "default", "pod": f"{job}-0"},
+                    }
+                ],
+            }
             for job, port in jobs.items()
         ],
     }
@@ -401,17 +418,31 @@ def prometheus(observed, tmp_path_factory):
 
 
 def test_a_real_prometheus_evaluates_every_documented_query(observed, prometheus):
-    # traffic while Prometheus scrapes every second, so rates have several samples
+    # one refused call per worker (worker errors by code), then traffic while Prometheus
+    # scrapes every second, so rates have several samples
+    for address, stub_cls, call in (
+        (observed.draft_addresses[0], draft_pb2_grpc.DraftWorkerStub, "Propose"),
+        (observed.target_addresses[0], target_pb2_grpc.TargetWorkerStub, "Verify"),
+    ):
+        with grpc.insecure_channel(address) as channel:
+            request = (
+                draft_pb2.ProposeRequest if call == "Propose" else target_pb2.VerifyRequest
+            )()
+            with pytest.raises(grpc.RpcError) as refused:
+                getattr(stub_cls(channel), call)(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with Client(observed.address) as client:
         for i in range(6):
             client.generate(f"def f{i}(x):", max_new_tokens=16, temperature=0.7 * (i % 2))
             time.sleep(0.5)
     time.sleep(3)
-    exprs = readme_expressions()
-    assert len(exprs) >= 25, exprs
-    exprs += rule_and_dashboard_expressions()
-    failures = {e: why for e in exprs if (why := prometheus.check(e)) is not None}
-    assert failures == {}
+    readme = readme_expressions()
+    assert len(readme) >= 25, readme
+    others = rule_and_dashboard_expressions()
+    assert len(others) >= 40, others
+    failures = {e: why for e in readme if (why := prometheus.check(e)) is not None}
+    failures |= {e: why for e in others if (why := prometheus.check(e, whole=False))}
+    assert failures == {}, "\n".join(f"{why}: {e}" for e, why in failures.items())
     # acceptance as Prometheus computes it agrees with the counters it scraped
     rate = prometheus.query(
         "sum(specdec_spec_decode_num_accepted_tokens_total)"
@@ -422,6 +453,7 @@ def test_a_real_prometheus_evaluates_every_documented_query(observed, prometheus
 
 def test_the_prometheus_checker_can_fail(prometheus):
     """Negative controls: a misspelt metric has no data; broken PromQL is an error."""
-    assert prometheus.check("sum(rate(specdec_generated_token_total[1m]))") == "no data"
+    assert prometheus.check("sum(rate(specdec_generated_token_total[1m]))").startswith("no series")
+    assert prometheus.check('sum(specdec_worker_in_flight{role="targets"})').startswith("no series")
     assert prometheus.check("sum(rate(specdec_generated_tokens_total[1m])").startswith("bad_data")
     assert prometheus.check("sum(rate(specdec_generated_tokens_total[1m]))") is None

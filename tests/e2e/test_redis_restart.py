@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+import redis
 from test_faults import reference, stream_and_kill
 
 from specdec.client import Client
@@ -66,7 +67,7 @@ def test_negative_control_without_persistence_the_restart_loses_them(model_dirs)
         resume = coordinator_pb2.GenerateRequest(session_id="lost", resume_from=2)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.GenerateStream(resume, timeout=30))
-        assert info.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def session_code(client, session_id: str):
@@ -80,3 +81,31 @@ def session_code(client, session_id: str):
                 return exc.code()
         time.sleep(0.25)
     return grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_redis_that_loses_its_data_mid_stream_ends_the_session_never_a_new_one(model_dirs):
+    """An external Redis restarted empty while a session streams (no persistence): the
+    stream ends with an error (ABORTED or NOT_FOUND) after a prefix of the right tokens, a
+    resume is refused, and nothing re-creates the session — never a new generation."""
+    with Stack(stack_settings(model_dirs, persist=False)) as stack:
+        expected = reference(stack, num_speculative_tokens=2)
+        tokens = []
+        with pytest.raises(grpc.RpcError) as info:
+            tokens, _ = stream_and_kill(
+                stack, lambda: crash_and_restart(stack), num_speculative_tokens=2,
+                session_id="wiped",
+            )  # fmt: skip
+        assert info.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND), (
+            info.value.code(),
+            info.value.details(),
+        )
+        admin = redis.Redis.from_url(stack.redis_url)
+        time.sleep(2.5)  # past the 1 s lease and a renewal tick: nothing brought it back
+        assert admin.keys("specdec:{wiped}*") == []
+        stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(stack.address))
+        resume = coordinator_pb2.GenerateRequest(session_id="wiped", resume_from=5)
+        with pytest.raises(grpc.RpcError) as again:
+            list(stub.GenerateStream(resume, timeout=30))
+        assert again.value.code() == grpc.StatusCode.NOT_FOUND
+        assert admin.keys("specdec:{wiped}*") == []
+    assert len(expected) > 20

@@ -106,6 +106,9 @@ def test_default_render_has_exactly_the_expected_kinds_per_tier(chart):
     expected[("redis", "Deployment")] = 1
     expected[("redis", "Service")] = 1
     expected[(None, "ServiceAccount")] = 1
+    # Kubernetes discovery (the default): the coordinator's own account, Role and binding.
+    for kind in ("ServiceAccount", "Role", "RoleBinding"):
+        expected[("coordinator", kind)] = 1
     # Secure defaults: the generated Redis password, one NetworkPolicy per tier and Redis,
     # and the release-wide default deny.
     expected[("redis", "Secret")] = 1
@@ -169,17 +172,29 @@ def test_probes_are_grpc_on_each_tiers_port(chart):
             assert "httpGet" not in main[probe] and "tcpSocket" not in main[probe]
 
 
+def probe_budget(probe: dict[str, Any]) -> int:
+    """Seconds a probe tolerates failing before it acts."""
+    return probe["periodSeconds"] * probe["failureThreshold"]
+
+
 def test_startup_probe_budget_covers_model_loading_and_is_configurable(chart):
     objects = render(chart)
-    for comp in ("draft-worker", "target-worker"):
-        startup = container(objects, comp)["startupProbe"]
-        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    # Converting and loading a model takes minutes: 15 for the target, 10 for the draft.
+    for comp, minimum in (("draft-worker", 600), ("target-worker", 900)):
+        main = container(objects, comp)
+        startup = main["startupProbe"]
+        assert probe_budget(startup) >= minimum, comp
+        # ... which readiness and liveness, checked only after startup passed, do not inherit:
+        # a wedged worker is restarted within a minute, not after the loading budget.
+        assert probe_budget(main["livenessProbe"]) <= 60 < probe_budget(startup), comp
+        assert probe_budget(main["readinessProbe"]) <= 15, comp
     probes = {"startup": {"periodSeconds": 15, "failureThreshold": 400}}
-    startup = container(render(chart, {"targetWorker": {"probes": probes}}), "target-worker")[
-        "startupProbe"
-    ]
+    main = container(render(chart, {"targetWorker": {"probes": probes}}), "target-worker")
+    startup = main["startupProbe"]
     assert (startup["periodSeconds"], startup["failureThreshold"]) == (15, 400)
     assert startup["grpc"] == {"port": 50071}
+    liveness = main["livenessProbe"]
+    assert (liveness["periodSeconds"], liveness["failureThreshold"]) == (10, 6)
 
 
 def test_termination_grace_exceeds_worker_drain_time(chart):
@@ -337,6 +352,11 @@ def test_external_redis_without_url_fails_rendering(chart):
         {"draftWorker": {"httpPort": 8000}},  # only the coordinator serves HTTP
         {"targetWorker": {"replica": 2}},  # a typo is not silently ignored
         {"redis": {"externalUrl": "http://not-redis"}},
+        {"coordinator": {"discovery": "consul"}},
+        {"otel": {"endpoint": "otel-collector:4317"}},  # OTLP endpoints are URLs
+        {"targetWorker": {"autoscaling": {"inFlightPerPod": 0}}},
+        {"coordinator": {"autoscaling": {"inFlightPerPod": 8}}},  # workers only
+        {"networkPolicy": {"apiServerEgressPorts": []}},
     ],
     ids=lambda v: str(v),
 )
@@ -394,7 +414,7 @@ def test_hpa_is_per_tier_and_takes_over_replicas(chart):
         == find(objects, "Deployment", "draft-worker")["metadata"]["name"]
     )
     assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 6)
-    assert spec["metrics"][0]["resource"]["name"] == "cpu"
+    assert [m["type"] for m in spec["metrics"]] == ["Pods"]  # CPU is optional on workers
     assert "replicas" not in find(objects, "Deployment", "draft-worker")["spec"]
     assert find(objects, "Deployment", "target-worker")["spec"]["replicas"] == 1
 
@@ -434,7 +454,8 @@ def test_containers_run_non_root_on_a_read_only_root_filesystem(chart):
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert main["securityContext"]["readOnlyRootFilesystem"] is True
         assert main["securityContext"]["allowPrivilegeEscalation"] is False
-        assert pod["automountServiceAccountToken"] is False
+        # Only the coordinator holds an API token, for its EndpointSlice discovery.
+        assert pod["automountServiceAccountToken"] is (comp == "coordinator")
         writable = {m["mountPath"] for m in main["volumeMounts"] if not m.get("readOnly")}
         assert writable == ({"/data"} if comp == "redis" else {"/tmp"})
 
@@ -554,8 +575,20 @@ OUTSIDERS = (
     ),
     Endpoint("internet", None, {}, "203.0.113.7", ((443, "TCP"),)),
     Endpoint("external-redis", None, {}, "10.20.0.5", ((6379, "TCP"), (6380, "TCP"))),
+    # The API server's endpoint (host network) as a policy sees it after Service NAT.
+    Endpoint("kube-apiserver", None, {}, "10.0.0.10", ((443, "TCP"), (6443, "TCP"))),
+    Endpoint(
+        "otel-collector",
+        "observability",
+        {"app.kubernetes.io/name": "opentelemetry-collector"},
+        "10.244.9.5",
+        ((4317, "TCP"), (4318, "TCP")),
+    ),
 )
 OUTSIDER_NAMES = {o.name for o in OUTSIDERS}
+API_PORTS = (443, 6443)
+# apiServerEgress [] (the default): the coordinator may reach any address on the API ports.
+ANY_API_SERVER = {(o.name, p) for o in OUTSIDERS for p, _ in o.ports if p in API_PORTS}
 
 
 def endpoints(objects: list[dict[str, Any]]) -> list[Endpoint]:
@@ -679,12 +712,19 @@ def allowed_flows(objects: list[dict[str, Any]]) -> set[tuple[str, str, int, str
 
 
 def documented_flows(
-    clients=OUTSIDER_NAMES, redis: tuple[str, int] = ("redis", 6379), http_port: int = 8000
+    clients=OUTSIDER_NAMES,
+    redis: tuple[str, int] = ("redis", 6379),
+    http_port: int = 8000,
+    api_server: set[tuple[str, int]] = ANY_API_SERVER,
+    otel: set[tuple[str, int]] = frozenset(),
 ) -> set[tuple[str, str, int, str]]:
     """The flow table of deploy/README.md ("Security"): clients -> coordinator gRPC and
     (unless httpPort is 0) HTTP; coordinator -> worker gRPC; the three tiers -> Redis and
-    DNS; Prometheus -> metrics."""
+    DNS; Prometheus -> metrics; coordinator -> the API server's `(name, port)`s (Kubernetes
+    discovery); the three tiers -> the OTLP collector's `(name, port)`s (otel.endpoint)."""
     flows = {(c, "coordinator", 50051, "TCP") for c in clients}
+    flows |= {("coordinator", name, port, "TCP") for name, port in api_server}
+    flows |= {(comp, name, port, "TCP") for comp in TIERS for name, port in otel}
     if http_port:
         flows |= {(c, "coordinator", http_port, "TCP") for c in clients}
     flows |= {("coordinator", "draft-worker", 50061, "TCP")}
@@ -710,7 +750,10 @@ def test_network_policies_allow_exactly_the_documented_flows(chart):
         ("prometheus", 9092),
     }
     assert {s for s, t, _, _ in flows if t == "redis"} == set(TIERS)
-    assert not {f for f in flows if f[1] == "internet" or f[0] == "redis"}
+    assert not {f for f in flows if f[0] == "redis"}
+    # Only the coordinator leaves the cluster, and only on the API server's ports while
+    # networkPolicy.apiServerEgress is [] (test_api_server_egress_follows_its_values narrows it).
+    assert {(s, p) for s, t, p, _ in flows if t == "internet"} == {("coordinator", 443)}
 
 
 def test_network_policies_follow_clients_and_an_external_redis(chart):
@@ -1235,11 +1278,10 @@ def test_external_redis_gets_the_password_secret_and_its_ca(chart):
 LUA_CALL = re.compile(r"redis\.call\('(\w+)'")
 # Commands redis-py sends for the client-side calls of coordinator/store.py and
 # specdec/serving/registry.py: register_script -> EVALSHA (SCRIPT LOAD on NOSCRIPT, SCRIPT
-# EXISTS + LOAD in pipelines; never EVAL); pipeline(transaction=True) -> MULTI/EXEC (no
-# DISCARD: nothing calls it); hgetall, lrange, get, set (cancel, heartbeat), delete -> DEL,
-# scan_iter -> SCAN.
+# EXISTS + LOAD in pipelines; never EVAL; no MULTI/EXEC: a session is read by a script);
+# hgetall, lrange, get, set (cancel, heartbeat), delete -> DEL, scan_iter -> SCAN.
 CLIENT_COMMANDS = {
-    "evalsha", "script|load", "script|exists", "multi", "exec",
+    "evalsha", "script|load", "script|exists",
     "hgetall", "lrange", "get", "set", "del", "scan",
 }  # fmt: skip
 # On connect: AUTH (HELLO with RESP3), SELECT for a database other than 0; PING: the probe.
@@ -1262,3 +1304,218 @@ def test_redis_acl_grants_exactly_the_commands_specdec_issues(chart):
     assert 'PREFIX = "specdec:' in store  # every key is under the ACL's key pattern
     registry = (REPO / "specdec" / "serving" / "registry.py").read_text()
     assert 'PREFIX = "specdec:' in registry
+
+
+# --- Kubernetes discovery, autoscaling on custom metrics, tracing --------------------------
+
+ADAPTER_RULES = REPO / "deploy" / "observability" / "prometheus-adapter-rules.yaml"
+PRODUCTION_VALUES = REPO / "deploy" / "helm" / "examples" / "production-values.yaml"
+OTEL = "http://otel-collector.observability:4317"
+COLLECTOR_PEERS = [
+    {
+        "namespaceSelector": {"matchLabels": {NS_NAME: "observability"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "opentelemetry-collector"}},
+    }
+]
+API_SERVER = {("kube-apiserver", 443), ("kube-apiserver", 6443)}
+
+
+def test_coordinator_discovers_workers_through_their_services_endpointslices(chart):
+    objects = render(chart)
+    draft = find(objects, "Service", "draft-worker")["metadata"]["name"]
+    target = find(objects, "Service", "target-worker")["metadata"]["name"]
+    assert container(objects, "coordinator")["args"] == [
+        "--discovery",
+        "kubernetes",
+        "--k8s-draft-selector",
+        f"kubernetes.io/service-name={draft}",
+        "--k8s-target-selector",
+        f"kubernetes.io/service-name={target}",
+        "--k8s-port-name",
+        "grpc",
+    ]
+    # EndpointSlices carry the Service's port names: each worker's gRPC port is "grpc".
+    for comp in ("draft-worker", "target-worker"):
+        ports = find(objects, "Service", comp)["spec"]["ports"]
+        assert [p["port"] for p in ports if p["name"] == "grpc"] == [TIERS[comp][1]]
+
+
+def test_coordinator_role_only_reads_endpointslices_in_the_release_namespace(chart):
+    objects = render(chart)
+    role = find(objects, "Role", "coordinator")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    rbac = [o["kind"] for o in objects if o["apiVersion"].startswith("rbac.authorization.k8s.io")]
+    assert sorted(rbac) == ["Role", "RoleBinding"]  # nothing cluster-wide
+
+
+def test_role_binding_grants_the_role_to_the_coordinators_own_account(chart):
+    objects = render(chart)
+    binding = find(objects, "RoleBinding", "coordinator")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": find(objects, "Role", "coordinator")["metadata"]["name"],
+    }
+    coordinator = pod_spec(objects, "coordinator")
+    account = coordinator["serviceAccountName"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    ]
+    accounts = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ServiceAccount"}
+    assert accounts[account]["automountServiceAccountToken"] is True
+    assert coordinator["automountServiceAccountToken"] is True
+    for comp in ("draft-worker", "target-worker"):  # the workers keep a tokenless account
+        worker = pod_spec(objects, comp)
+        assert worker["serviceAccountName"] != account
+        assert worker["automountServiceAccountToken"] is False
+        assert accounts[worker["serviceAccountName"]]["automountServiceAccountToken"] is False
+
+
+def test_redis_discovery_needs_no_api_access(chart):
+    objects = render(chart, {"coordinator": {"discovery": "redis"}})
+    assert container(objects, "coordinator")["args"] == ["--discovery", "redis"]
+    assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding")]
+    accounts = [o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"]
+    assert accounts == [pod_spec(objects, "coordinator")["serviceAccountName"]]
+    assert pod_spec(objects, "coordinator")["automountServiceAccountToken"] is False
+    assert allowed_flows(objects) == documented_flows(api_server=set())
+
+
+def test_discovery_with_an_existing_account_binds_that_account(chart):
+    objects = render(chart, {"serviceAccount": {"create": False, "name": "specdec-runner"}})
+    assert not [o for o in objects if o["kind"] == "ServiceAccount"]
+    assert find(objects, "RoleBinding", "coordinator")["subjects"][0]["name"] == "specdec-runner"
+    assert pod_spec(objects, "coordinator")["serviceAccountName"] == "specdec-runner"
+    assert pod_spec(objects, "coordinator")["automountServiceAccountToken"] is True
+    # Never the namespace's default account, which every other pod there may use.
+    with pytest.raises(helm.HelmError, match="serviceAccount.name"):
+        render(chart, {"serviceAccount": {"create": False}})
+
+
+def test_api_server_egress_follows_its_values(chart):
+    values = {"networkPolicy": {"apiServerEgress": [{"ipBlock": {"cidr": "10.0.0.10/32"}}]}}
+    flows = allowed_flows(render(chart, values))
+    assert flows == documented_flows(api_server=API_SERVER)
+    assert not [f for f in flows if f[1] == "internet"]
+    values["networkPolicy"]["apiServerEgressPorts"] = [6443]
+    flows = allowed_flows(render(chart, values))
+    assert flows == documented_flows(api_server={("kube-apiserver", 6443)})
+
+
+def adapter_metric_names() -> dict[str, str]:
+    """role -> the custom metric the prometheus-adapter rules serve for that worker role."""
+    rules = yaml.safe_load(ADAPTER_RULES.read_text())["rules"]
+    return {re.search(r'role="(\w+)"', r["seriesQuery"])[1]: r["name"]["as"] for r in rules}
+
+
+def test_worker_hpas_scale_on_the_metrics_the_adapter_rules_serve(chart):
+    tiers = ("coordinator", "draftWorker", "targetWorker")
+    objects = render(chart, {key: {"autoscaling": {"enabled": True}} for key in tiers})
+    served = adapter_metric_names()
+    assert set(served) == {"draft", "target"}
+    for comp, role, window in (("draft-worker", "draft", 300), ("target-worker", "target", 900)):
+        spec = find(objects, "HorizontalPodAutoscaler", comp)["spec"]
+        assert spec["metrics"] == [
+            {
+                "type": "Pods",
+                "pods": {
+                    "metric": {"name": served[role]},
+                    "target": {"type": "AverageValue", "averageValue": "24"},
+                },
+            }
+        ]
+        # A new pod loads a model: scale down only after a stable stretch of lower load.
+        assert spec["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == window
+    coordinator = find(objects, "HorizontalPodAutoscaler", "coordinator")["spec"]["metrics"]
+    assert [m["type"] for m in coordinator] == ["Resource"]
+
+
+def test_worker_hpa_target_bounds_behavior_and_cpu_are_values(chart):
+    autoscaling = {
+        "enabled": True,
+        "minReplicas": 2,
+        "maxReplicas": 9,
+        "inFlightPerPod": 12.5,
+        "targetCPUUtilizationPercentage": 60,
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 1200}},
+    }
+    objects = render(chart, {"targetWorker": {"autoscaling": autoscaling}})
+    spec = find(objects, "HorizontalPodAutoscaler", "target-worker")["spec"]
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 9)
+    pods, cpu = spec["metrics"]
+    assert pods["pods"]["target"]["averageValue"] == "12.5"
+    assert cpu["resource"] == {
+        "name": "cpu",
+        "target": {"type": "Utilization", "averageUtilization": 60},
+    }
+    assert spec["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 1200
+    with pytest.raises(helm.HelmError, match="at least one metric"):
+        render(chart, {"draftWorker": {"autoscaling": {"enabled": True, "inFlightPerPod": None}}})
+
+
+def test_otel_endpoint_reaches_all_three_tiers(chart):
+    default = render(chart)
+    assert not [c for c in TIERS if any(name.startswith("OTEL_") for name in env(default, c))]
+    sampler = {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"}
+    values = {
+        "otel": {"endpoint": OTEL, "extraEnv": [sampler]},
+        "targetWorker": {"extraEnv": [{"name": "OTEL_TRACES_SAMPLER", "value": "always_on"}]},
+    }
+    objects = render(chart, values)
+    for comp in TIERS:
+        assert env(objects, comp)["OTEL_EXPORTER_OTLP_ENDPOINT"] == OTEL
+    assert env(objects, "draft-worker")["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+    # A tier's own extraEnv comes after otel.extraEnv, so it wins.
+    assert env(objects, "target-worker")["OTEL_TRACES_SAMPLER"] == "always_on"
+
+
+def test_otel_collector_egress_opens_only_with_an_endpoint(chart):
+    peers = {"networkPolicy": {"otelEgress": COLLECTOR_PEERS}}
+    assert allowed_flows(render(chart, peers)) == documented_flows()
+    values = {"otel": {"endpoint": OTEL}, **peers}
+    assert allowed_flows(render(chart, values)) == documented_flows(otel={("otel-collector", 4317)})
+    # The port comes from the endpoint, else from otelEgressPort, else 4317.
+    values["otel"]["endpoint"] = "http://otel-collector.observability:4318/"
+    assert allowed_flows(render(chart, values)) == documented_flows(otel={("otel-collector", 4318)})
+    values["networkPolicy"] = {"otelEgress": COLLECTOR_PEERS, "otelEgressPort": 4317}
+    assert allowed_flows(render(chart, values)) == documented_flows(otel={("otel-collector", 4317)})
+    # otelEgress [] (the default) allows any destination, on that port only.
+    objects = render(chart, {"otel": {"endpoint": "https://collector.example"}})
+    assert allowed_flows(objects) == documented_flows(otel={("otel-collector", 4317)})
+
+
+def test_worked_production_example_renders_as_documented(chart):
+    values = yaml.safe_load(PRODUCTION_VALUES.read_text())
+    report = helm.lint(CHART_DIR, values, strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+    objects = render(chart, values)
+    assert container(objects, "coordinator")["args"][:2] == ["--discovery", "kubernetes"]
+    for comp in TIERS:
+        assert env(objects, comp)["SPECDEC_TLS_CERT"] == f"{TLS_DIR}/tls.crt"
+        assert env(objects, comp)["OTEL_EXPORTER_OTLP_ENDPOINT"] == OTEL
+        assert "replicas" not in find(objects, "Deployment", comp)["spec"]  # HPAs own them
+    served = adapter_metric_names()
+    for comp, role in (("draft-worker", "draft"), ("target-worker", "target")):
+        (metric,) = find(objects, "HorizontalPodAutoscaler", comp)["spec"]["metrics"]
+        assert metric["pods"] == {
+            "metric": {"name": served[role]},
+            "target": {"type": "AverageValue", "averageValue": "48"},
+        }
+    assert probe_budget(container(objects, "target-worker")["startupProbe"]) == 2400
+    assert {component(o) for o in objects if o["kind"] == "Certificate"} == set(TIERS)
+    assert {component(o) for o in objects if o["kind"] == "ServiceMonitor"} == set(TIERS)
+    # Every flow pinned: apps clients, the API server, the collector, the external Redis.
+    assert allowed_flows(objects) == documented_flows(
+        clients={"client"},
+        redis=("external-redis", 6380),
+        api_server=API_SERVER,
+        otel={("otel-collector", 4317)},
+    )

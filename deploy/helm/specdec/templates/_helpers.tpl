@@ -62,6 +62,36 @@ app.kubernetes.io/part-of: specdec
 {{- end }}
 {{- end }}
 
+{{/* True (non-empty) when the coordinator finds the workers through the Kubernetes API. */}}
+{{- define "specdec.apiDiscovery" -}}
+{{- if eq .Values.coordinator.discovery "kubernetes" }}true{{ end }}
+{{- end }}
+
+{{/*
+Service account of a tier's pods: the shared one, except the coordinator's own
+"<fullname>-coordinator" when it discovers workers through the API and the chart creates
+the accounts.
+*/}}
+{{- define "specdec.tierServiceAccountName" -}}
+{{- if and (eq .component "coordinator") (include "specdec.apiDiscovery" .root) .root.Values.serviceAccount.create }}
+{{- include "specdec.componentName" (dict "root" .root "component" "coordinator") }}
+{{- else }}
+{{- include "specdec.serviceAccountName" .root }}
+{{- end }}
+{{- end }}
+
+{{/* Whether a tier's pods get an API token: only the coordinator, and only for discovery. */}}
+{{- define "specdec.automountToken" -}}
+{{- if and (eq .component "coordinator") (include "specdec.apiDiscovery" .root) }}true
+{{- else }}{{ .root.Values.serviceAccount.automountServiceAccountToken }}
+{{- end }}
+{{- end }}
+
+{{/* The custom metric (served by prometheus-adapter) a worker tier's HPA scales on. */}}
+{{- define "specdec.inFlightMetric" -}}
+{{- index (dict "draft-worker" "specdec_draft_in_flight" "target-worker" "specdec_target_in_flight") . }}
+{{- end }}
+
 {{/* "repository:tag" of a tier: the tier's image fields override the chart-wide image. */}}
 {{- define "specdec.image" -}}
 {{- $image := .root.Values.image }}
@@ -155,6 +185,13 @@ at the writable /tmp because the root filesystem is read-only.
   value: {{ ternary "true" "false" (.root.Values.reflection | default false) | quote }}
 {{- with include "specdec.tlsEnv" . | trim }}
 {{ . }}
+{{- end }}
+{{- with .root.Values.otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- with .root.Values.otel.extraEnv }}
+{{ toYaml . }}
 {{- end }}
 {{- end }}
 
@@ -284,8 +321,8 @@ annotations:
 
 {{/* Pod-level fields shared by the specdec tiers: accounts, security, scheduling. */}}
 {{- define "specdec.podSpecCommon" -}}
-serviceAccountName: {{ include "specdec.serviceAccountName" .root }}
-automountServiceAccountToken: {{ .root.Values.serviceAccount.automountServiceAccountToken }}
+serviceAccountName: {{ include "specdec.tierServiceAccountName" . }}
+automountServiceAccountToken: {{ include "specdec.automountToken" . }}
 {{- with .root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -453,6 +490,10 @@ spec:
 {{- $autoscaling := .tier.autoscaling }}
 {{- if $autoscaling.enabled }}
 {{- $metrics := list }}
+{{- if include "specdec.isSet" $autoscaling.inFlightPerPod }}
+{{- $target := dict "type" "AverageValue" "averageValue" (include "specdec.envValue" $autoscaling.inFlightPerPod) }}
+{{- $metrics = append $metrics (dict "type" "Pods" "pods" (dict "metric" (dict "name" (include "specdec.inFlightMetric" .component)) "target" $target)) }}
+{{- end }}
 {{- range $resource := list "cpu" "memory" }}
 {{- $target := index $autoscaling (printf "target%sUtilizationPercentage" (ternary "CPU" "Memory" (eq $resource "cpu"))) }}
 {{- if include "specdec.isSet" $target }}
@@ -461,7 +502,7 @@ spec:
 {{- end }}
 {{- $metrics = concat $metrics ($autoscaling.metrics | default list) }}
 {{- if not $metrics }}
-{{- fail (printf "%s.autoscaling needs at least one metric (a utilization target or metrics)" .valuesKey) }}
+{{- fail (printf "%s.autoscaling needs at least one metric (inFlightPerPod, a utilization target or metrics)" .valuesKey) }}
 {{- end }}
 {{- if gt (int $autoscaling.minReplicas) (int $autoscaling.maxReplicas) }}
 {{- fail (printf "%s.autoscaling.minReplicas must not exceed maxReplicas" .valuesKey) }}
@@ -694,7 +735,10 @@ key out, which allows any peer) and `ports` (a list of {port, protocol}).
   {{- end }}
 {{- end }}
 
-{{/* Egress rules every specdec tier needs: Redis (bundled pod or redisEgress) and DNS. */}}
+{{/*
+Egress rules every specdec tier needs: Redis (bundled pod or redisEgress), DNS, and the OTLP
+collector (otelEgress) when otel.endpoint is set.
+*/}}
 {{- define "specdec.commonEgress" -}}
 {{- $values := .Values }}
 {{- $np := $values.networkPolicy }}
@@ -712,4 +756,15 @@ key out, which allows any peer) and `ports` (a list of {port, protocol}).
 {{- include "specdec.policyRule" (dict "direction" "to" "peers" $np.redisEgress "ports" (list (dict "port" (int $port)))) }}
 {{- end }}
 {{ include "specdec.policyRule" (dict "direction" "to" "peers" $np.dns "ports" (list (dict "port" 53 "protocol" "UDP") (dict "port" 53 "protocol" "TCP"))) }}
+{{- with $values.otel.endpoint }}
+{{- $port := $np.otelEgressPort }}
+{{- if not (include "specdec.isSet" $port) }}
+{{- $port = 4317 }}
+{{- $hostPort := regexFind ":[0-9]+$" (regexReplaceAll "/.*$" (regexReplaceAll "^[a-z]+://" . "") "") }}
+{{- if $hostPort }}
+{{- $port = trimPrefix ":" $hostPort }}
+{{- end }}
+{{- end }}
+{{ include "specdec.policyRule" (dict "direction" "to" "peers" $np.otelEgress "ports" (list (dict "port" (int $port)))) }}
+{{- end }}
 {{- end }}
