@@ -375,14 +375,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def compare(refs: list[dict[int, Outcome]], waves: list[dict[int, Outcome]], reqs) -> dict:
-    """Each wave's sessions against the fault-free runs: finished, exact (equal to one of
-    them), tokens lost and extra (against the closest one), and the stream offsets the
-    clients saw repeat or skip."""
-    exact = lost = repeated = unfinished = overlaps = gaps = 0
+    """Each wave's sessions against the fault-free runs.
+
+    Lost and repeated tokens are counted from what the streams carried: chunk offsets that
+    skipped or overlapped what the client had, and sessions that ended short of their length.
+    A session that is whole but *differs* from both fault-free runs diverged: for a greedy
+    one that is a failure; a sampled one can also diverge without any fault, when batching
+    flips the last bits of a logit at a near-tie (a documented limit of lossless), so its
+    count is compared with how often the fault-free runs diverge from each other."""
+    exact = short = unfinished = overlaps = gaps = 0
+    diverged = {"greedy": 0, "sampled": 0}
     mismatches = []
     for wave, got in enumerate(waves):
         for i in refs[0]:
-            g = got[i]
+            g, req = got[i], reqs[i]
             overlaps += g.repeated
             gaps += g.gaps
             if not g.finished:
@@ -390,31 +396,23 @@ def compare(refs: list[dict[int, Outcome]], waves: list[dict[int, Outcome]], req
                 why = g.finish_reason or g.error
                 mismatches.append({"wave": wave, "request": i, "unfinished": why})
                 continue
-            r = max((ref[i] for ref in refs), key=lambda o: common_prefix(o.tokens, g.tokens))
-            common = common_prefix(r.tokens, g.tokens)
-            exact += g.tokens == r.tokens
-            lost += len(r.tokens) - common
-            repeated += len(g.tokens) - common
-            if g.tokens != r.tokens:
-                mismatches.append(
-                    {
-                        "wave": wave,
-                        "request": i,
-                        "temperature": reqs[i].temperature,
-                        "at": common,
-                        "length": len(g.tokens),
-                        "resumes": g.resumes,
-                    }
-                )
+            short += max(0, req.max_new_tokens - len(g.tokens))
+            if any(g.tokens == ref[i].tokens for ref in refs):
+                exact += 1
+                continue
+            diverged["greedy" if req.temperature == 0 else "sampled"] += 1
+            at = max(common_prefix(ref[i].tokens, g.tokens) for ref in refs)
+            mismatches.append(
+                {"wave": wave, "request": i, "temperature": req.temperature, "at": at}
+            )
     sessions = len(refs[0]) * len(waves)
     return {
         "sessions": sessions,
         "finished": sessions - unfinished,
         "exact": exact,
-        "tokens_lost": lost,
-        "tokens_repeated_or_wrong": repeated,
-        "stream_overlaps": overlaps,
-        "stream_gaps": gaps,
+        "tokens_lost": gaps + short,
+        "tokens_repeated": overlaps,
+        "diverged": diverged,
         "mismatches": mismatches[:20],
     }
 
@@ -444,14 +442,17 @@ def markdown(report: dict) -> str:
         "|---|---:|---:|",
         f"| sessions finished | {r['reference']['finished']} / {r['reference']['sessions']} "
         f"| {r['chaos']['finished']} / {r['chaos']['sessions']} |",
-        f"| finished sessions equal to a fault-free run | {r['reference']['exact']} "
+        f"| tokens lost (skipped offsets, short sessions) | {r['reference']['tokens_lost']} "
+        f"| {r['chaos']['tokens_lost']} |",
+        f"| tokens repeated (overlapping offsets) | {r['reference']['tokens_repeated']} "
+        f"| {r['chaos']['tokens_repeated']} |",
+        f"| sessions equal to a fault-free run | {r['reference']['exact']} "
         f"| {r['chaos']['exact']} |",
-        f"| tokens lost | {r['reference']['tokens_lost']} | {r['chaos']['tokens_lost']} |",
-        f"| tokens repeated or wrong | {r['reference']['tokens_repeated_or_wrong']} "
-        f"| {r['chaos']['tokens_repeated_or_wrong']} |",
-        f"| stream chunks that overlapped / skipped what the client had "
-        f"| {r['reference']['stream_overlaps']} / {r['reference']['stream_gaps']} "
-        f"| {r['chaos']['stream_overlaps']} / {r['chaos']['stream_gaps']} |",
+        f"| greedy sessions that diverged | {r['reference']['diverged']['greedy']} "
+        f"| {r['chaos']['diverged']['greedy']} |",
+        f"| sampled sessions that diverged (bound under faults: "
+        f"{divergence_bound(r):.1f}) | {r['reference']['diverged']['sampled']} "
+        f"| {r['chaos']['diverged']['sampled']} |",
         f"| resumes | {r['reference']['resumes']} | {r['chaos']['resumes']} |",
         f"| errors seen by clients (status: count) | {r['reference']['errors'] or '—'} "
         f"| {r['chaos']['errors'] or '—'} |",
@@ -580,14 +581,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def divergence_bound(report: dict) -> float:
+    """How many sampled sessions may diverge under faults: three times the fault-free
+    runs' own rate, plus three (they diverge from each other by batching alone)."""
+    ref, chaos = report["reference"], report["chaos"]
+    rate = ref["diverged"]["sampled"] / max(1, ref["sessions"])
+    return 3 * rate * chaos["sessions"] + 3
+
+
 def passed(report: dict) -> bool:
-    """Every session finished equal to its fault-free run, and every planned fault ran."""
+    """Every session finished whole (no token lost or repeated), no greedy session diverged,
+    sampled ones no more than batching alone explains, and every planned fault ran."""
     chaos = report["chaos"]
     return (
-        chaos["finished"] == chaos["exact"] == chaos["sessions"]
-        and chaos["tokens_lost"] == 0
-        and chaos["tokens_repeated_or_wrong"] == 0
-        and chaos["stream_overlaps"] == chaos["stream_gaps"] == 0
+        chaos["finished"] == chaos["sessions"]
+        and chaos["tokens_lost"] == chaos["tokens_repeated"] == 0
+        and chaos["diverged"]["greedy"] == 0
+        and chaos["diverged"]["sampled"] <= divergence_bound(report)
         and report["faults_planned"] == sum(report["faults"].values())
         and not report["injector_failure"]
     )

@@ -44,8 +44,8 @@ def test_every_fault_kind_once_and_every_session_exact(model_dirs, tmp_path):
     assert passed(report), summary + f"\n{report['chaos']['mismatches']}"
 
 
-def test_the_comparison_catches_lost_repeated_and_unfinished_sessions():
-    """Negative control of the check above: each way a session can go wrong is counted."""
+def test_the_comparison_catches_lost_repeated_diverged_and_unfinished_sessions():
+    """Negative controls of the check above: each way a session can go wrong is counted."""
     reqs = [Request(i, "x", 0.0, 1, 2, 4) for i in range(4)]
     ref = {i: Outcome(tokens=[1, 2, 3, 4], finished=True) for i in range(4)}
     wave = {
@@ -56,21 +56,29 @@ def test_the_comparison_catches_lost_repeated_and_unfinished_sessions():
     }
     result = compare([ref], [wave], reqs)
     assert (result["sessions"], result["finished"], result["exact"]) == (4, 3, 1)
-    assert result["tokens_lost"] == 2 + 2
-    assert result["tokens_repeated_or_wrong"] == 1 + 3
-    assert result["stream_overlaps"] == 1
+    assert (result["tokens_lost"], result["tokens_repeated"]) == (1, 1)
+    assert result["diverged"] == {"greedy": 2, "sampled": 0}
     assert [m["request"] for m in result["mismatches"]] == [1, 2, 3]
     # equal to either fault-free run counts as exact (batching can flip a near-tie)
     other = {i: Outcome(tokens=[1, 2, 4, 3], finished=True) for i in range(4)}
     either = compare([ref, other], [{**ref, 1: other[1]}], reqs)
-    assert either["exact"] == 4 and either["tokens_lost"] == 0
+    assert either["exact"] == 4 and either["diverged"] == {"greedy": 0, "sampled": 0}
+
+    clean = compare([ref], [ref], reqs)
     report = {
-        "chaos": result,
+        "reference": clean,
+        "chaos": clean,
         "faults": dict.fromkeys(FAULTS, 1),
         "faults_planned": len(FAULTS),
         "injector_failure": "",
     }
-    assert not passed(report)
-    result_ok = compare([ref], [ref], reqs)
-    assert passed({**report, "chaos": result_ok})
-    assert not passed({**report, "chaos": result_ok, "faults_planned": len(FAULTS) + 1})
+    assert passed(report)
+    assert not passed({**report, "chaos": result})
+    assert not passed({**report, "faults_planned": len(FAULTS) + 1})
+    # sampled sessions may diverge only about as often as the fault-free runs do
+    sampled = [Request(i, "x", 0.8, 1, 2, 4) for i in range(4)]
+    drifted = compare([ref], [{**ref, 0: other[0]}], sampled)
+    assert drifted["diverged"] == {"greedy": 0, "sampled": 1}
+    assert passed({**report, "chaos": drifted})  # one in four: within 3 × 0 + 3
+    many = {**drifted, "sessions": 4, "diverged": {"greedy": 0, "sampled": 4}}
+    assert not passed({**report, "chaos": many})
