@@ -183,6 +183,7 @@ class Request:
     seed: int
     gamma: int
     max_new_tokens: int
+    prompt_ids: list[int] = field(default_factory=list)  # sent instead of the text when set
 
 
 @dataclass
@@ -234,7 +235,7 @@ async def run_one(
         for attempt in range(40):
             stub = stubs[(req.index + attempt) % len(stubs)]
             request = build_request(
-                req.prompt,
+                req.prompt_ids or req.prompt,
                 num_speculative_tokens=req.gamma,
                 session_id=session_id,
                 temperature=req.temperature,
@@ -401,9 +402,17 @@ def compare(refs: list[dict[int, Outcome]], waves: list[dict[int, Outcome]], req
                 exact += 1
                 continue
             diverged["greedy" if req.temperature == 0 else "sampled"] += 1
-            at = max(common_prefix(ref[i].tokens, g.tokens) for ref in refs)
+            closest = max((ref[i].tokens for ref in refs), key=lambda t: common_prefix(t, g.tokens))
+            at = common_prefix(closest, g.tokens)
             mismatches.append(
-                {"wave": wave, "request": i, "temperature": req.temperature, "at": at}
+                {
+                    "wave": wave,
+                    "request": i,
+                    "temperature": req.temperature,
+                    "at": at,
+                    "prefix": closest[:at],
+                    "tokens": [closest[at], g.tokens[at]] if at < len(g.tokens) else [],
+                }
             )
     sessions = len(refs[0]) * len(waves)
     return {
@@ -413,8 +422,45 @@ def compare(refs: list[dict[int, Outcome]], waves: list[dict[int, Outcome]], req
         "tokens_lost": gaps + short,
         "tokens_repeated": overlaps,
         "diverged": diverged,
-        "mismatches": mismatches[:20],
+        "mismatches": mismatches[:200],
     }
+
+
+# A greedy divergence is a float near-tie when the two tokens are the target's top two with a
+# logit gap below this (float32 prefill-vs-step and batch differences are ~1e-5 here); a wrong
+# token from a bug would not be the runner-up at such a margin.
+NEAR_TIE = 1e-3
+
+
+def explain_greedy(model_dir: str, reqs: list[Request], mismatches: list[dict]) -> list[dict]:
+    """For each greedy divergence: the target's own top-two logit gap at that position (Hugging
+    Face, batch 1, float32, the whole prefix at once) and whether the two tokens are those two."""
+    greedy = [m for m in mismatches if m.get("temperature") == 0.0 and m.get("tokens")]
+    if not greedy:
+        return []
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    found = []
+    with torch.no_grad():
+        for m in greedy:
+            ids = reqs[m["request"]].prompt_ids + m["prefix"]
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            top = torch.topk(logits, 2)
+            gap = float(top.values[0] - top.values[1])
+            found.append(
+                {
+                    "request": m["request"],
+                    "wave": m["wave"],
+                    "at": m["at"],
+                    "logit_gap": gap,
+                    "top_two": sorted(top.indices.tolist()) == sorted(m["tokens"]),
+                    "near_tie": gap < NEAR_TIE
+                    and sorted(top.indices.tolist()) == sorted(m["tokens"]),
+                }
+            )
+    return found
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -425,6 +471,12 @@ def percentile(values: list[float], q: float) -> float:
 def tpot_ms(outcomes: list[Outcome]) -> dict:
     values = [t for o in outcomes if (t := o.tpot()) is not None]
     return {"p50": 1000 * percentile(values, 0.5), "p99": 1000 * percentile(values, 0.99)}
+
+
+def ties(part: dict) -> str:
+    found = part.get("greedy_divergences", [])
+    gaps = ", ".join(f"{d['logit_gap']:.1e}" for d in found)
+    return f"{sum(d['near_tie'] for d in found)}" + (f"; gaps {gaps}" if gaps else "")
 
 
 def markdown(report: dict) -> str:
@@ -448,8 +500,9 @@ def markdown(report: dict) -> str:
         f"| {r['chaos']['tokens_repeated']} |",
         f"| sessions equal to a fault-free run | {r['reference']['exact']} "
         f"| {r['chaos']['exact']} |",
-        f"| greedy sessions that diverged | {r['reference']['diverged']['greedy']} "
-        f"| {r['chaos']['diverged']['greedy']} |",
+        f"| greedy sessions that diverged (of them at a near-tie: top-two logit gap "
+        f"< {NEAR_TIE:g}) | {r['reference']['diverged']['greedy']} ({ties(r['reference'])}) "
+        f"| {r['chaos']['diverged']['greedy']} ({ties(r['chaos'])}) |",
         f"| sampled sessions that diverged (bound under faults: "
         f"{divergence_bound(r):.1f}) | {r['reference']['diverged']['sampled']} "
         f"| {r['chaos']['diverged']['sampled']} |",
@@ -497,6 +550,11 @@ def run(args, link: Link | None = None) -> dict:
         stack.add_coordinator(second, name="coordinator-b")
         addresses = [stack.address, f"127.0.0.1:{second}"]
         reqs = requests(args.sessions, args.max_new_tokens, args.seed)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.target_model)
+        for req in reqs:  # token ids on the wire: the analysis below uses the same prompt
+            req.prompt_ids = tokenizer.encode(req.prompt, add_special_tokens=False)
         # two fault-free passes: batching changes the last bits of a logit, which can flip
         # an exact near-tie (a documented limit of lossless); what differs between the two
         # shows how often that happens here, and a session under faults must equal one
@@ -549,6 +607,10 @@ def run(args, link: Link | None = None) -> dict:
             "fault_log": injector.log,
             "injector_failure": injector.failure,
         }
+        for part in ("reference", "chaos"):
+            report[part]["greedy_divergences"] = explain_greedy(
+                args.target_model, reqs, report[part]["mismatches"]
+            )
         return report
     finally:
         stack.stop()
@@ -590,13 +652,15 @@ def divergence_bound(report: dict) -> float:
 
 
 def passed(report: dict) -> bool:
-    """Every session finished whole (no token lost or repeated), no greedy session diverged,
-    sampled ones no more than batching alone explains, and every planned fault ran."""
+    """Every session finished whole (no token lost or repeated), a greedy session diverged
+    only at a float near-tie of the target's own logits, sampled ones no more often than
+    batching alone explains, and every planned fault ran."""
     chaos = report["chaos"]
     return (
         chaos["finished"] == chaos["sessions"]
         and chaos["tokens_lost"] == chaos["tokens_repeated"] == 0
-        and chaos["diverged"]["greedy"] == 0
+        and len(chaos.get("greedy_divergences", [])) == chaos["diverged"]["greedy"]
+        and all(d["near_tie"] for d in chaos.get("greedy_divergences", []))
         and chaos["diverged"]["sampled"] <= divergence_bound(report)
         and report["faults_planned"] == sum(report["faults"].values())
         and not report["injector_failure"]

@@ -343,7 +343,10 @@ def redis() -> Schema:
     return obj(
         {
             "enabled": boolean(),
-            "externalUrl": {"type": "string", "pattern": "^$|^(redis|rediss|unix)://"},
+            "externalUrl": {
+                "type": "string",
+                "pattern": "^$|^(redis|rediss|unix|rediss?\\+cluster|rediss?\\+sentinel)://",
+            },
             "externalUrlSecret": obj({"name": string(), "key": {"type": "string", "minLength": 1}}),
             "auth": redis_auth(),
             "caSecret": secret_key("CA of an external rediss:// Redis"),

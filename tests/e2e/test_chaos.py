@@ -82,3 +82,10 @@ def test_the_comparison_catches_lost_repeated_diverged_and_unfinished_sessions()
     assert passed({**report, "chaos": drifted})  # one in four: within 3 × 0 + 3
     many = {**drifted, "sessions": 4, "diverged": {"greedy": 0, "sampled": 4}}
     assert not passed({**report, "chaos": many})
+    # a greedy divergence passes only as a near-tie of the target's own logits
+    one = {**clean, "diverged": {"greedy": 1, "sampled": 0}}
+    tie = {"near_tie": True, "logit_gap": 2e-6}
+    assert passed({**report, "chaos": {**one, "greedy_divergences": [tie]}})
+    wrong = {**tie, "near_tie": False, "logit_gap": 3.5}
+    assert not passed({**report, "chaos": {**one, "greedy_divergences": [wrong]}})
+    assert not passed({**report, "chaos": one})  # not explained at all

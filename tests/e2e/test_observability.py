@@ -457,3 +457,82 @@ def test_the_prometheus_checker_can_fail(prometheus):
     assert prometheus.check('sum(specdec_worker_in_flight{role="targets"})').startswith("no series")
     assert prometheus.check("sum(rate(specdec_generated_tokens_total[1m])").startswith("bad_data")
     assert prometheus.check("sum(rate(specdec_generated_tokens_total[1m]))") is None
+
+
+# --- failover and takeover in the trace ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faulty(model_dirs, receiver):
+    """Two drafts and two coordinators, traced, for the failover and takeover spans."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    mp.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    settings = StackSettings(
+        model_dirs["target"],
+        model_dirs["draft"],
+        port=free_port(),
+        draft_workers=2,
+        log_level="error",
+        coordinator_args=["--lease-s", "1.0", "--draft-timeout-s", "2"],
+    )
+    try:
+        with Stack(settings) as stack:
+            stack.second_port = free_port()
+            stack.add_coordinator(stack.second_port, name="coordinator-b")
+            yield stack
+    finally:
+        mp.undo()
+
+
+def test_a_failover_and_a_takeover_are_spans_of_the_request(faulty, receiver):
+    """The session's draft is killed mid-stream (a fixed-γ round is proposed again on the other
+    draft), then its coordinator: the client resumes on the other one, which takes over."""
+    import signal
+
+    addresses = [faulty.address, f"127.0.0.1:{faulty.second_port}"]
+    killed = []
+    with Client(addresses, timeout_s=120, backoff_s=0.3) as client:
+        stream = client.stream(
+            "def add(a, b):", max_new_tokens=60, num_speculative_tokens=3, ignore_eos=True,
+            session_id="traced-faults",
+        )  # fmt: skip
+        first_trace = ""
+        tokens = 0
+        for chunk in stream:
+            first_trace = first_trace or client.trace_id
+            tokens += len(chunk.token_ids)
+            if tokens >= 10 and not killed:
+                info = client.get_session("traced-faults")
+                index = faulty.draft_addresses.index(info.draft_worker)
+                faulty.child(f"draft-worker-{index}").signal(signal.SIGKILL)
+                killed.append(info.draft_worker)
+            elif tokens >= 30 and len(killed) == 1:
+                faulty.child("coordinator").signal(signal.SIGKILL)
+                killed.append("coordinator")
+        second_trace = client.trace_id
+    assert tokens == 60 and len(killed) == 2
+    assert second_trace and second_trace != first_trace  # the resumed call is its own trace
+
+    first = wait_for_trace(receiver, first_trace, {"specdec.failover"})
+    (failover,) = [s for s in first if s.name == "specdec.failover"]
+    assert failover.attributes["tier"] == "draft"
+    assert failover.attributes["worker"] == killed[0]
+    assert failover.attributes["to"] not in ("", killed[0])
+    by_id = {s.span_id: s for s in first}
+    round_ = by_id[failover.parent_id]
+    assert round_.name == "specdec.round" and round_.attributes["gamma"] == 3
+    # the round proposed on the dead draft, then again on the other one: γ stayed 3
+    proposes = sorted(children(first, round_, "draft/Propose"), key=lambda s: s.start)
+    assert [p.attributes["worker"] for p in proposes] == [killed[0], failover.attributes["to"]]
+
+    second = wait_for_trace(receiver, second_trace, {"specdec.takeover", "TargetService/Verify"})
+    (takeover,) = [s for s in second if s.name == "specdec.takeover"]
+    assert takeover.service == "specdec-coordinator"
+    assert takeover.attributes["session_id"] == "traced-faults"
+    assert 30 <= takeover.attributes["generated"] < 60
+    resumed = children(second, takeover, "specdec.round")
+    assert resumed and sum(r.attributes["tokens"] for r in resumed) == (
+        60 - takeover.attributes["generated"]
+    )

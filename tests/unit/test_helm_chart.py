@@ -317,8 +317,15 @@ def test_in_cluster_redis_is_wired_by_default(chart):
         assert env(objects, comp)["SPECDEC_REDIS_URL"] == url
 
 
-def test_external_redis_replaces_the_in_cluster_one(chart):
-    external = "rediss://cache.example:6380/2"
+@pytest.mark.parametrize(
+    "external",
+    [
+        "rediss://cache.example:6380/2",
+        "redis+cluster://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379/",
+        "rediss+sentinel://sentinel-0:26379,sentinel-1:26379/mymaster/0",
+    ],
+)
+def test_external_redis_replaces_the_in_cluster_one(chart, external):
     objects = render(chart, {"redis": {"enabled": False, "externalUrl": external}})
     assert [o for o in objects if component(o) == "redis"] == []
     for comp in TIERS:
