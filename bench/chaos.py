@@ -192,6 +192,7 @@ class Outcome:
     finished: bool = False
     finish_reason: str = ""
     error: str = ""
+    target_only_rounds: int = 0  # rounds without candidates (the draft tier was out)
     resumes: int = 0
     repeated: int = 0  # chunks that overlapped what the client already had
     gaps: int = 0  # chunks that started past it
@@ -256,6 +257,7 @@ async def run_one(
                         out.times.append(now)
                     if chunk.finish_reason:
                         out.finish_reason = coordinator_pb2.FinishReason.Name(chunk.finish_reason)
+                        out.target_only_rounds = chunk.stats.rounds - chunk.stats.drafts
                         # a session that did not run its course did not survive the faults
                         out.finished = out.finish_reason == "FINISH_REASON_LENGTH"
                         return out
@@ -410,6 +412,8 @@ def compare(refs: list[dict[int, Outcome]], waves: list[dict[int, Outcome]], req
                     "request": i,
                     "temperature": req.temperature,
                     "at": at,
+                    "target_only_rounds": g.target_only_rounds,
+                    "resumes": g.resumes,
                     "prefix": closest[:at],
                     "tokens": [closest[at], g.tokens[at]] if at < len(g.tokens) else [],
                 }

@@ -227,9 +227,23 @@ class SessionLinks:
                     attached = await self.attach("draft", exclude={address})
                     if s is not None:
                         s.set_attribute("to", self.draft.worker.address if attached else "")
+                if keep_gamma and not attached:  # none left: wait for one to come back
+                    attached = await self.wait_for_draft(self.ctx.settings.draft_timeout_s)
                 if not (keep_gamma and attached):  # a failed draft is out for 5 s: bounded
                     return None
         return None
+
+    async def wait_for_draft(self, timeout_s: float) -> bool:
+        """Poll the draft pool until a worker is alive again (then attach it) or `timeout_s`
+        passed; False when none came back."""
+        deadline = time.monotonic() + timeout_s
+        pool = self.ctx.drafts
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            await pool.refresh()
+            if pool.alive() and await self.attach("draft", exclude=set()):
+                return True
+        return False
 
     async def verify(
         self, committed: list[int], build, candidates: list[int], max_output: int

@@ -113,10 +113,10 @@ class Sessions:
             raise NotFound(f"session_id {session_id!r} is unknown or expired")
         if record.status == "finished":
             return None
+        epoch = await self.ctx.store.take_over(record.session_id, self.ctx.owner)
+        if epoch is None:
+            return None  # another live coordinator runs it: follow it in Redis
         with span("specdec.takeover", session_id=session_id) as s:
-            epoch = await self.ctx.store.take_over(record.session_id, self.ctx.owner)
-            if epoch is None:
-                return None  # another live coordinator runs it: follow it in Redis
             record = await self.ctx.store.load(record.session_id)
             if record is None:
                 raise NotFound(f"session_id {session_id!r} is unknown or expired")
