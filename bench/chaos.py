@@ -649,9 +649,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def divergence_bound(report: dict) -> float:
     """How many sampled sessions may diverge under faults: three times the fault-free
-    runs' own rate, plus three (they diverge from each other by batching alone)."""
+    runs' own rate (they diverge from each other by batching alone; estimated as
+    (d + 1) / (n + 1), so a short run's zero is not taken for certain), plus three."""
     ref, chaos = report["reference"], report["chaos"]
-    rate = ref["diverged"]["sampled"] / max(1, ref["sessions"])
+    rate = (ref["diverged"]["sampled"] + 1) / (ref["sessions"] + 1)
     return 3 * rate * chaos["sessions"] + 3
 
 

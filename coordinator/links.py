@@ -102,6 +102,7 @@ class SessionLinks:
         self.stats = stats
         self.draft = Link()
         self.target = Link()
+        self.draft_wait_spent = False  # a fixed-γ session waited out a draft outage
 
     def link(self, role: str) -> Link:
         return self.draft if role == "draft" else self.target
@@ -158,6 +159,8 @@ class SessionLinks:
         link.worker, link.synced = worker, 0
         if worker is not None:
             worker.sessions.add(self.session_id)
+            if role == "draft":
+                self.draft_wait_spent = False  # the next outage may be waited for again
         self.epoch = await self.ctx.store.reassign(
             self.session_id,
             self.ctx.owner,
@@ -228,21 +231,25 @@ class SessionLinks:
                     if s is not None:
                         s.set_attribute("to", self.draft.worker.address if attached else "")
                 if keep_gamma and not attached:  # none left: wait for one to come back
-                    attached = await self.wait_for_draft(self.ctx.settings.draft_timeout_s)
+                    attached = await self.wait_for_draft()
                 if not (keep_gamma and attached):  # a failed draft is out for 5 s: bounded
                     return None
         return None
 
-    async def wait_for_draft(self, timeout_s: float) -> bool:
-        """Poll the draft pool until a worker is alive again (then attach it) or `timeout_s`
-        passed; False when none came back."""
-        deadline = time.monotonic() + timeout_s
+    async def wait_for_draft(self) -> bool:
+        """Poll the draft pool until a worker is alive again (then attach it), at most
+        --fixed-gamma-wait-s once per outage: False when none came back (the session then
+        goes target-only without waiting again until a draft is back)."""
+        if self.draft_wait_spent:
+            return False
+        deadline = time.monotonic() + self.ctx.settings.fixed_gamma_wait_s
         pool = self.ctx.drafts
         while time.monotonic() < deadline:
             await asyncio.sleep(0.1)
             await pool.refresh()
             if pool.alive() and await self.attach("draft", exclude=set()):
                 return True
+        self.draft_wait_spent = True
         return False
 
     async def verify(

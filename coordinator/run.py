@@ -179,12 +179,12 @@ class SessionRun:
 
     async def _reattach_draft(self) -> None:
         """A session that went target-only gets a draft again as soon as one is alive; one
-        with a fixed γ waits for one up to --draft-timeout-s first (its γ schedule, and so
-        its seeded text, then stays that of a run without the outage)."""
+        with a fixed γ waits for one up to --fixed-gamma-wait-s first (its γ schedule, and
+        so its seeded text, then stays that of a run without the outage)."""
         if self.links.draft.worker is not None or self.record.gamma == 0:
             return
         if self.record.gamma is not None and not self.ctx.drafts.alive():
-            await self.links.wait_for_draft(self.ctx.settings.draft_timeout_s)
+            await self.links.wait_for_draft()
         if self.ctx.drafts.alive():
             await self.links.attach("draft", exclude=set())
 

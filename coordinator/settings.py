@@ -95,6 +95,12 @@ class CoordinatorSettings(SecurityFlags):
         30.0, "deadline of a Verify call and of finding another target worker"
     )
     draft_timeout_s: float = opt(5.0, "deadline of a Propose call; past it the session fails over")
+    fixed_gamma_wait_s: float = opt(
+        30.0,
+        "a session with a fixed γ whose draft tier is out waits this long for a draft before "
+        "a target-only round (once per outage), so its γ schedule — and its seeded sampled "
+        "text — stays that of a run without the outage (0 = never wait)",
+    )
     prefill_threshold: int = opt(
         32,
         "a target that lacks more committed tokens than this gets a chunked Prefill first "

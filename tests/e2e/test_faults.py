@@ -31,7 +31,16 @@ def stack2(model_dirs):
         port=free_port(),
         draft_workers=2,
         target_workers=2,
-        coordinator_args=["--lease-s", "1.0", "--draft-timeout-s", "2", "--worker-timeout-s", "20"],
+        coordinator_args=[
+            "--lease-s",
+            "1.0",
+            "--draft-timeout-s",
+            "2",
+            "--worker-timeout-s",
+            "20",
+            "--fixed-gamma-wait-s",
+            "2",
+        ],
     )
     with Stack(settings) as running:
         running.second_port = free_port()
