@@ -33,28 +33,26 @@ class Discovery(Protocol):
 
 
 class StaticDiscovery:
-    """--discovery static: no workers beyond the static addresses."""
+    """--discovery static: no workers beyond the static addresses. Also the base of the
+    discoveries that have nothing to start or close (no thread, no client of their own)."""
 
     async def start(self) -> None:
-        pass
+        return None
 
     async def addresses(self, role: str) -> dict[str, float]:
         return {}
 
     async def close(self) -> None:
-        pass
+        return None
 
 
-class RedisDiscovery:
+class RedisDiscovery(StaticDiscovery):
     """--discovery redis: the workers whose registry entry (heartbeat TTL) is alive, with the
-    load they report."""
+    load they report (the Redis client is the caller's, which closes it)."""
 
     def __init__(self, redis):
         self.redis = redis
         self._last: dict[str, dict[str, float]] = {}  # role → the last registry read
-
-    async def start(self) -> None:
-        pass
 
     async def addresses(self, role: str) -> dict[str, float]:
         """The registered workers; while the registry cannot be read (Redis down, paused,
@@ -67,9 +65,6 @@ class RedisDiscovery:
         found = {entry["address"]: float(entry.get("load", 0.0)) for entry in entries}
         self._last[role] = found
         return dict(found)
-
-    async def close(self) -> None:
-        pass  # the Redis client belongs to the caller
 
 
 def pod_namespace() -> str:

@@ -122,20 +122,21 @@ class SessionLinks:
         prefix (a `specdec.resync` span)."""
         tier = "draft" if link is self.draft else "target"
         try:
-            return await self._send(link, method, committed, build, timeout)
+            return await self._send(link, tier, method, committed, build, timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
         link.synced = 0
         self.ctx.count("resyncs", tier=tier)
         with span("specdec.resync", tier=tier, tokens=len(committed)):
-            return await self._send(link, method, committed, build, timeout)
+            return await self._send(link, tier, method, committed, build, timeout)
 
-    async def _send(self, link: Link, method: str, committed: list[int], build, timeout: float):
+    async def _send(
+        self, link: Link, tier: str, method: str, committed: list[int], build, timeout: float
+    ):
         base, delta = self._base(link, committed)
         worker = link.worker
         worker.in_flight += 1
-        tier = "draft" if link is self.draft else "target"
         try:
             with client_span(f"{tier}/{method}", worker=worker.address, delta=len(delta.token_ids)):
                 response = await getattr(worker.stub, method)(

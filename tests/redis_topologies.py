@@ -119,35 +119,61 @@ def admin(port: int, password: str) -> redis.Redis:
     )  # fmt: skip
 
 
-class LocalCluster:
-    """`nodes` (≥ 3) cluster primaries on free loopback ports, met with CLUSTER MEET, the
-    16384 slots split across them with CLUSTER ADDSLOTS, ready when every node reports
-    cluster_state:ok and the same slot map."""
+class _Topology:
+    """Processes started by `_start()` (stopped again if it fails), as a context manager."""
 
-    def __init__(self, nodes: int = 3, password: str | None = None, timeout_s: float = 20.0):
-        if nodes < 3:
-            raise ValueError("a Redis Cluster needs at least 3 primaries")
-        self.ports = [cluster_port() for _ in range(nodes)]
-        self.password = secrets.token_urlsafe(16) if password is None else password
-        self.timeout_s = timeout_s
+    prefix = "specdec-redis-"
+    password: str
+
+    def __init__(self):
         self.processes: Processes | None = None
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return "redis+cluster://" + auth + ",".join(f"127.0.0.1:{p}" for p in self.ports) + "/"
 
     def node(self, port: int) -> redis.Redis:
         return admin(port, self.password)
 
-    def start(self) -> LocalCluster:
-        self.processes = Processes("specdec-cluster-")
+    def start(self):
+        self.processes = Processes(self.prefix)
         try:
             self._start()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        if self.processes is not None:
+            self.processes.close()
+            self.processes = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LocalCluster(_Topology):
+    """`nodes` (≥ 3) cluster primaries on free loopback ports, met with CLUSTER MEET, the
+    16384 slots split across them with CLUSTER ADDSLOTS, ready when every node reports
+    cluster_state:ok and the same slot map."""
+
+    prefix = "specdec-cluster-"
+
+    def __init__(self, nodes: int = 3, password: str | None = None, timeout_s: float = 20.0):
+        if nodes < 3:
+            raise ValueError("a Redis Cluster needs at least 3 primaries")
+        super().__init__()
+        self.ports = [cluster_port() for _ in range(nodes)]
+        self.password = secrets.token_urlsafe(16) if password is None else password
+        self.timeout_s = timeout_s
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return "redis+cluster://" + auth + ",".join(f"127.0.0.1:{p}" for p in self.ports) + "/"
 
     def _start(self) -> None:
         config = f"requirepass {self.password}\nmasterauth {self.password}\n" * bool(self.password)
@@ -195,21 +221,12 @@ class LocalCluster:
                     return int(primary[1])
         raise LookupError(f"no node owns slot {slot}")
 
-    def stop(self) -> None:
-        if self.processes is not None:
-            self.processes.close()
-            self.processes = None
 
-    def __enter__(self) -> LocalCluster:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-class LocalSentinel:
+class LocalSentinel(_Topology):
     """A master, one replica (--replicaof) and one Sentinel monitoring them as `name`, with
     a short down-after and failover timeout; `failover()` promotes the replica."""
+
+    prefix = "specdec-sentinel-"
 
     def __init__(
         self,
@@ -218,12 +235,12 @@ class LocalSentinel:
         sentinel_password: str = "",
         timeout_s: float = 20.0,
     ):
+        super().__init__()
         self.name = name
         self.password = secrets.token_urlsafe(16) if password is None else password
         self.sentinel_password = sentinel_password
         self.master_port, self.replica_port, self.sentinel_port = (free_port() for _ in "abc")
         self.timeout_s = timeout_s
-        self.processes: Processes | None = None
 
     @property
     def url(self) -> str:
@@ -231,20 +248,8 @@ class LocalSentinel:
         query = f"?sentinel_password={self.sentinel_password}" if self.sentinel_password else ""
         return f"redis+sentinel://{auth}127.0.0.1:{self.sentinel_port}/{self.name}/0{query}"
 
-    def node(self, port: int) -> redis.Redis:
-        return admin(port, self.password)
-
     def sentinel(self) -> redis.Redis:
         return admin(self.sentinel_port, self.sentinel_password)
-
-    def start(self) -> LocalSentinel:
-        self.processes = Processes("specdec-sentinel-")
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _start(self) -> None:
         auth = f"requirepass {self.password}\nmasterauth {self.password}\n" * bool(self.password)
@@ -323,14 +328,3 @@ class LocalSentinel:
                 self.timeout_s,
                 f"redis-server on {port} becoming a replica",
             )
-
-    def stop(self) -> None:
-        if self.processes is not None:
-            self.processes.close()
-            self.processes = None
-
-    def __enter__(self) -> LocalSentinel:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
