@@ -226,16 +226,44 @@ class SessionLinks:
                     continue
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in FAILOVER_CODES:
                     raise
-                with span("specdec.failover", tier="draft", worker=address) as s:
-                    self._failed("draft", address, exc)
-                    attached = await self.attach("draft", exclude={address})
-                    if s is not None:
-                        s.set_attribute("to", self.draft.worker.address if attached else "")
-                if keep_gamma and not attached:  # none left: wait for one to come back
-                    attached = await self.wait_for_draft()
+                attached = await self.draft_failed(address, exc, keep_gamma)
                 if not (keep_gamma and attached):  # a failed draft is out for 5 s: bounded
                     return None
         return None
+
+    async def draft_failed(self, address: str, exc: Exception, keep_gamma: bool) -> bool:
+        """Move the session off a failed draft (a `specdec.failover` span); with `keep_gamma`
+        wait for one to come back when none is left. True when a draft is attached."""
+        with span("specdec.failover", tier="draft", worker=address) as s:
+            self._failed("draft", address, exc)
+            attached = await self.attach("draft", exclude={address})
+            if s is not None:
+                s.set_attribute("to", self.draft.worker.address if attached else "")
+        if keep_gamma and not attached:  # none left: wait for one to come back
+            attached = await self.wait_for_draft()
+        return attached
+
+    async def propose_ahead(
+        self, optimistic: list[int], build, gamma: int, held: int
+    ) -> draft_pb2.ProposeResponse | Exception | None:
+        """The next block, drafted from `optimistic` (the committed prefix and this round's
+        candidates) while the target verifies them: one attempt on the session's draft, no
+        failover and no waiting (the caller fails over after the round if it must). Returns
+        the answer, or the exception it ended with. The draft is afterwards known to hold only
+        the first `held` tokens (the optimistic ones may yet be rejected)."""
+        link = self.draft
+        if link.worker is None:
+            return None
+        try:
+            response = await self._call(
+                link, "Propose", optimistic, build, self.ctx.settings.draft_timeout_s
+            )
+            check_proposal(response, gamma, link.worker.info.vocab_size)
+            return response
+        except (grpc.aio.AioRpcError, BadAnswer) as exc:
+            return exc
+        finally:
+            link.synced = min(link.synced, held)
 
     async def wait_for_draft(self) -> bool:
         """Poll the draft pool until a worker is alive again (then attach it), at most

@@ -106,10 +106,13 @@ class RoundTiming:
     batch_positions: int | None = None  # positions it computed, left padding included
     batch_seq: int | None = None  # that pass's number on its worker: fit each pass once
     worker: str = ""  # the target worker's address
+    draft_overlapped: bool = False  # the candidates were drafted ahead (draft_s: waiting only)
+    ahead_wait_s: float = 0.0  # after the commit, waiting for the next block drafted ahead
 
     def check(self) -> None:
         values = [self.round_s, self.draft_s, self.verify_s, self.draft_queue_s]
         values += [self.verify_queue_s, self.draft_forward_s or 0.0, self.verify_forward_s or 0.0]
+        values.append(self.ahead_wait_s)
         if min(values) < 0:
             raise ValueError(f"negative time in {self}")
         if self.batch_size < 1 or (self.batch_positions is not None and self.batch_positions < 1):
@@ -166,8 +169,9 @@ class CostModel:
             self.draft_step.add(d_fwd / gamma)
             if d_fwd > 0:
                 self.draft_queue.add(t.draft_queue_s / d_fwd)
-            self.draft_net.add(max(t.draft_s - t.draft_queue_s - d_fwd, 0.0))
-        self.rest.add(max(t.round_s - t.draft_s - t.verify_s, 0.0))
+            if not t.draft_overlapped:  # drafted ahead, the call's time hid behind a verify
+                self.draft_net.add(max(t.draft_s - t.draft_queue_s - d_fwd, 0.0))
+        self.rest.add(max(t.round_s - t.draft_s - t.verify_s - t.ahead_wait_s, 0.0))
 
 
 class AdaptiveGamma:
@@ -201,6 +205,7 @@ class AdaptiveGamma:
         self._probes = 0
         self._probing_from_zero = False
         self._probe_again = False
+        self.pipeline = "off"  # on | auto | off: rounds draft the next block during a verify
 
     @property
     def alpha(self) -> float:
@@ -223,8 +228,32 @@ class AdaptiveGamma:
         return c.draft_net.get(0.0) + (1.0 + c.draft_queue.get(0.0)) * gamma * step
 
     def round_s(self, gamma: int) -> float:
-        """Predicted wall time of one round with γ candidates."""
-        return self.draft_s(gamma) + self.verify_s(gamma) + self.costs.rest.get(0.0)
+        """Predicted wall time of one round with γ candidates.
+
+        Pipelined (`self.pipeline` on; auto: where it pays, `pipelining_pays`), each round with candidates also drafts the next block
+        (the guess of the bonus token and γ candidates after it) while the target verifies:
+        that leg, A = draft_s(γ + 1), overlaps the verify and the commit, B = verify_s(γ) + r,
+        and the next round skips its own draft when this one accepted every candidate and
+        the guess was right — probability α^(γ+1), taking the guess as likely as one more
+        accepted candidate. Expected: (1 − α^(γ+1))·draft_s(γ) + max(A, B)
+        (`specdec.core.perf_model.speedup_draft_ahead` in target steps)."""
+        sync = self.draft_s(gamma) + self.verify_s(gamma) + self.costs.rest.get(0.0)
+        if self.pipeline == "off" or gamma == 0:
+            return sync
+        pipelined = self.pipelined_round_s(gamma)
+        return pipelined if self.pipeline == "on" else min(sync, pipelined)
+
+    def pipelined_round_s(self, gamma: int) -> float:
+        """`round_s` of a round that drafts the next block during its verify (see there)."""
+        hit = self.planning_alpha() ** (gamma + 1)
+        ahead = max(self.draft_s(gamma + 1), self.verify_s(gamma) + self.costs.rest.get(0.0))
+        return (1.0 - hit) * self.draft_s(gamma) + ahead
+
+    def pipelining_pays(self, gamma: int) -> bool:
+        """Whether drafting ahead is predicted to shorten rounds of γ candidates: only while
+        the next block's draft hides behind the verify and the commit, or nearly so."""
+        sync = self.draft_s(gamma) + self.verify_s(gamma) + self.costs.rest.get(0.0)
+        return gamma > 0 and self.pipelined_round_s(gamma) < sync
 
     def planning_alpha(self) -> float:
         """The α̂ γ is planned with: the session's own when it verifies alone; in batches (N ≥

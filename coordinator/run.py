@@ -14,8 +14,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+import grpc
+
 from coordinator.context import RunContext
-from coordinator.links import SessionLinks
+from coordinator.links import BUSY, FAILOVER_CODES, SessionLinks
 from coordinator.policy import AdaptiveGamma, RoundTiming
 from coordinator.stats import Stats
 from coordinator.store import LostSession, SessionRecord
@@ -29,6 +31,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Ahead:
+    """The next round's block, drafted from the optimistic prefix (the committed tokens and
+    this round's γ candidates) while the target verifies them. Its first candidate is the
+    draft's guess of the bonus token; the rest are the next round's candidates, valid only if
+    this round accepts every candidate and its bonus token equals the guess — then they are
+    exactly what a Propose from the new committed prefix would return (same q̃, same
+    counter-based randomness at the same positions), so using them is lossless."""
+
+    task: asyncio.Task
+    gamma: int  # this round's γ (the block it follows)
+    next_gamma: int  # candidates it drafts after the guess
+    address: str  # the draft worker asked
+    started: float
+
+
+@dataclass
 class RoundOutcome:
     """What one round produced, before and after its commit."""
 
@@ -39,6 +57,35 @@ class RoundOutcome:
     reason: FinishReason | None = None
     tail: str = ""
     logprobs: list[str] | None = None  # per token, a JSON entry (when the session has them)
+
+
+def block_ahead_holds(outcome: RoundOutcome, gamma: int, drafted: list[int]) -> bool:
+    """Whether a block drafted ahead (the guess, then candidates) is the next round's: the
+    round accepted all γ candidates, committed them and the bonus token, goes on, and its
+    bonus token is the guess. Anything else and it was drafted from a prefix that is not the
+    committed one."""
+    return (
+        outcome.reason is None
+        and outcome.accepted == gamma == outcome.gamma
+        and len(outcome.tokens) == gamma + 1
+        and len(drafted) >= 2
+        and drafted[0] == outcome.tokens[-1]
+    )
+
+
+def after_guess(answer: draft_pb2.ProposeResponse) -> draft_pb2.ProposeResponse:
+    """The candidates after the guess, as the Propose from the new prefix would answer
+    (forward time scaled to the steps they took)."""
+    n = len(answer.candidate_ids)
+    return draft_pb2.ProposeResponse(
+        candidate_ids=list(answer.candidate_ids)[1:],
+        draft_dists=list(answer.draft_dists)[1:],
+        token_only=answer.token_only,
+        queue_ns=answer.queue_ns,
+        forward_ns=answer.forward_ns * (n - 1) // n,
+        total_ns=answer.total_ns,
+        computed_tokens=answer.computed_tokens,
+    )
 
 
 def logprob_entries(result: target_pb2.VerifyResponse, n: int) -> list[str]:
@@ -93,6 +140,8 @@ class SessionRun:
             self.stats,
         )
         self.policy = AdaptiveGamma(ctx.settings.max_speculative_tokens, ctx.costs)
+        self.ahead: Ahead | None = None  # the next block, drafting while this round verifies
+        self.ready: draft_pb2.ProposeResponse | None = None  # a drafted-ahead block now valid
         self.finish_reason: FinishReason | None = None
         self.changed = asyncio.Event()
         self.cancel_requested = False
@@ -136,6 +185,9 @@ class SessionRun:
                 log.exception("session %s failed", self.session_id)
             raise
         finally:
+            if self.ahead is not None:  # cancelled or failed mid-round
+                self.ahead.task.cancel()
+                self.ahead = None
             self.changed.set()
             if self.record.gamma is None:
                 log.debug("session %s policy: %s", self.session_id, self.policy.describe())
@@ -161,18 +213,28 @@ class SessionRun:
 
     async def round(self) -> RoundOutcome:
         t0 = time.perf_counter()
-        await self._reattach_draft()
-        gamma = self.choose_gamma()
-        proposal = await self.propose(gamma) if gamma > 0 else None
+        proposal, overlapped = self.ready, self.ready is not None
+        self.ready = None
+        if proposal is None:
+            await self._reattach_draft()
+            gamma = self.choose_gamma()
+            proposal = await self.propose(gamma) if gamma > 0 else None
         t1 = time.perf_counter()
+        self.stats.drafted_ahead += int(overlapped)
+        self.ahead = self.draft_ahead(proposal)
         result = await self.verify(proposal)
         t2 = time.perf_counter()
         outcome = self.accept(proposal, result)
         with span("specdec.commit", tokens=len(outcome.tokens)):
             await self.commit(outcome)
         self.publish(outcome)
+        t3 = time.perf_counter()
+        if self.ahead is not None:
+            self.ready = await self.settle_ahead(self.ahead, outcome)
+            self.ahead = None
         round_s = time.perf_counter() - t0
-        self.record_round(outcome, proposal, result, (t0, t1, t2), round_s)
+        marks = (t0, t1, t2, time.perf_counter() - t3)
+        self.record_round(outcome, proposal, result, marks, round_s, overlapped)
         return outcome
 
     # --- the steps of a round -------------------------------------------------------
@@ -194,6 +256,7 @@ class SessionRun:
             return 0
         remaining = self.max_new_tokens - len(self.generated)
         fixed = self.record.gamma
+        self.policy.pipeline = self.pipeline_mode()
         gamma = self.policy.choose() if fixed is None else fixed
         gamma = min(gamma, self.ctx.settings.max_speculative_tokens, remaining - 1)
         return max(gamma, 0)
@@ -212,6 +275,82 @@ class SessionRun:
             gamma,
             keep_gamma=self.record.gamma is not None,
         )
+
+    def pipeline_mode(self) -> str:
+        """--pipeline as it applies now: auto is off while this coordinator's sessions share
+        verify passes (batches of ≥ 1.5 sessions on average) — under load the draft tier's
+        time is better spent on other sessions than on blocks that may be discarded."""
+        mode = self.ctx.settings.pipeline
+        return "off" if mode == "auto" and self.policy.batched() else mode
+
+    def draft_ahead(self, proposal) -> Ahead | None:
+        """Start drafting the next block from the optimistic prefix (see `Ahead`), or None
+        when this round has no candidates, the budget leaves no room for another round of
+        candidates, or pipelining is off."""
+        worker = self.links.draft.worker
+        mode = self.pipeline_mode()
+        if proposal is None or worker is None or mode == "off":
+            return None
+        gamma = len(proposal.candidate_ids)
+        if gamma == 0 or (mode == "auto" and not self.policy.pipelining_pays(gamma)):
+            return None
+        # after a full acceptance `gamma + 1` more tokens are committed; the next round then
+        # verifies at most `left - 1` candidates (choose_gamma's bound)
+        left = self.max_new_tokens - len(self.generated) - gamma - 1
+        fixed = self.record.gamma
+        next_gamma = self.policy.choose() if fixed is None else fixed
+        bound = min(
+            self.ctx.settings.max_speculative_tokens, worker.info.max_speculative_tokens - 1
+        )
+        next_gamma = min(next_gamma, bound, left - 1)
+        if next_gamma < 1:
+            return None
+        optimistic = self.committed + list(proposal.candidate_ids)
+        build = lambda base, delta: draft_pb2.ProposeRequest(  # noqa: E731
+            base=base,
+            delta=delta,
+            num_speculative_tokens=next_gamma + 1,
+            sampling=self.processors,
+            seed=self.record.seed,
+        )
+        task = asyncio.create_task(
+            self.links.propose_ahead(optimistic, build, next_gamma + 1, len(self.committed))
+        )
+        return Ahead(task, gamma, next_gamma, worker.address, time.perf_counter())
+
+    async def settle_ahead(self, ahead: Ahead, outcome: RoundOutcome):
+        """Wait for the drafted-ahead block; the next round's proposal when this round accepted
+        every candidate and its bonus token is the draft's guess, else None (discarded). A
+        draft that failed meanwhile is failed over here, as a failed Propose would be."""
+        answer = await ahead.task
+        hit = False
+        if isinstance(answer, draft_pb2.ProposeResponse):
+            candidates = list(answer.candidate_ids)
+            worker = self.links.draft.worker
+            hit = block_ahead_holds(outcome, ahead.gamma, candidates) and (
+                worker is not None and worker.address == ahead.address
+            )
+            self.ctx.count("drafts_ahead", outcome="hit" if hit else "miss")
+            log.debug(
+                "session %s: block drafted ahead %s (accepted %d/%d, guess %s, bonus %s)",
+                self.session_id,
+                "used" if hit else "discarded",
+                outcome.accepted,
+                ahead.gamma,
+                candidates[:1],
+                outcome.tokens[-1:],
+            )
+        elif isinstance(answer, Exception):
+            self.ctx.count("drafts_ahead", outcome="failed")
+            retry = isinstance(answer, grpc.aio.AioRpcError) and answer.code() not in FAILOVER_CODES
+            busy = isinstance(answer, grpc.aio.AioRpcError) and answer.code() == BUSY
+            worker = self.links.draft.worker
+            if not (retry or busy) and worker is not None and worker.address == ahead.address:
+                await self.links.draft_failed(ahead.address, answer, self.record.gamma is not None)
+        if not hit:
+            return None
+        self.links.draft.synced = len(self.committed)  # the guess was right: it holds all of it
+        return after_guess(answer)
 
     async def verify(self, proposal) -> target_pb2.VerifyResponse:
         """Step 2: the target verifies the candidates (none: a plain decoding step)."""
@@ -290,15 +429,20 @@ class SessionRun:
     def stats_dict(self) -> dict:
         return self.stats.as_dict(len(self.prompt), len(self.generated), time.time() - self.started)
 
-    def record_round(self, outcome: RoundOutcome, proposal, result, marks, round_s: float) -> None:
-        """Step 6: metrics, the policy's observations and the debug log."""
-        t0, t1, t2 = marks
+    def record_round(
+        self, outcome: RoundOutcome, proposal, result, marks, round_s: float, overlapped: bool
+    ) -> None:
+        """Step 6: metrics, the policy's observations and the debug log. `overlapped`: the
+        round's candidates were drafted ahead, during the previous round's verify."""
+        t0, t1, t2, ahead_wait_s = marks
         gamma, accepted = outcome.gamma, outcome.accepted
         self._observe_metrics(gamma, accepted, outcome.tokens, outcome.reason, round_s)
         timing = RoundTiming(
             round_s=round_s,
             draft_s=t1 - t0,
             verify_s=t2 - t1,
+            draft_overlapped=overlapped,
+            ahead_wait_s=ahead_wait_s,
             verify_forward_s=result.forward_ns / 1e9,
             verify_queue_s=result.queue_ns / 1e9,
             batch_size=max(result.batch_size, 1),

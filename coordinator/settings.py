@@ -101,6 +101,13 @@ class CoordinatorSettings(SecurityFlags):
         "a target-only round (once per outage), so its γ schedule — and its seeded sampled "
         "text — stays that of a run without the outage (0 = never wait)",
     )
+    pipeline: str = opt(
+        "auto",
+        "auto | on | off: draft the next block while the target verifies this one, used when "
+        "every candidate and the guessed bonus token are accepted (auto: while this "
+        "coordinator's verify batches average under 1.5 sessions, when the draft would idle)",
+        ["auto", "on", "off"],
+    )
     prefill_threshold: int = opt(
         32,
         "a target that lacks more committed tokens than this gets a chunked Prefill first "

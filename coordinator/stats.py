@@ -19,6 +19,7 @@ class Stats:
     draft_failovers: int = 0
     target_failovers: int = 0
     takeovers: int = 0
+    drafted_ahead: int = 0  # rounds whose candidates were drafted during the last verify
     first_token_s: float | None = None
 
     @classmethod
@@ -64,5 +65,6 @@ class Stats:
             "draft_failovers": self.draft_failovers,
             "target_failovers": self.target_failovers,
             "takeovers": self.takeovers,
+            "drafted_ahead": self.drafted_ahead,
             "_raw": asdict(self),
         }

@@ -79,6 +79,31 @@ def speedup_pipelined(
     return expected_tokens(alpha, gamma) / round_cost
 
 
+def speedup_draft_ahead(
+    alpha: float, gamma: int, c: float, v: float, rho_d: float, rho_v: float
+) -> float:
+    """Speedup of specdec's pipelined rounds (coordinator `--pipeline`), in target steps.
+
+    Each round with candidates also drafts the next block while the target verifies: the
+    draft's guess of the bonus token, then γ candidates after it — a leg of
+    A' = (γ+1)·c + ρ_d that overlaps B = v + ρ_v. The next round skips its own draft leg
+    A = γ·c + ρ_d when this one accepted all γ candidates and the guess equals the bonus
+    token, taken as likely as one more accepted candidate: p = α^(γ+1). A discarded block is
+    waited for (not cancelled), so a round costs (1 − p)·A + max(A', B) on average:
+    S = E / ((1 − p)·A + max(A', B)). Unlike `speedup_pipelined` (the architecture's
+    idealised form) a round always pays the longer of the two overlapped legs, and the
+    guess makes a hit one acceptance rarer. At γ = 0 nothing is drafted: S = 1 / (1 + ρ_v).
+    """
+    _check(alpha, gamma)
+    if gamma == 0:
+        return 1.0 / (1.0 + rho_v)
+    hit = alpha ** (gamma + 1)
+    draft_leg = gamma * c + rho_d
+    ahead_leg = (gamma + 1) * c + rho_d
+    round_cost = (1.0 - hit) * draft_leg + max(ahead_leg, v + rho_v)
+    return expected_tokens(alpha, gamma) / round_cost
+
+
 def estimate_alpha(accepted: int, rejected_rounds: int, default: float = 0.0) -> float:
     """α̂ = accepted / (accepted + rounds that ended in a rejection); `default` without data.
 

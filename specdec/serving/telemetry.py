@@ -304,6 +304,11 @@ class CoordinatorMetrics:
             "specdec_resyncs",
             description="worker calls repeated with the full prefix (a refused base), by tier",
         )
+        self.drafts_ahead = m.create_counter(
+            "specdec_drafts_ahead",
+            description="next blocks drafted during a verify (--pipeline), by outcome: hit "
+            "(used), miss (a rejection or a wrong guess), failed (the draft call failed)",
+        )
         self.rounds = m.create_counter(
             "specdec_rounds", description="verify rounds (target-only ones included)"
         )
