@@ -304,6 +304,7 @@ EVENT_METRICS = (
     "bad_answers",
     "shed_requests",
     "kv_evictions",
+    "drafts_ahead",  # only once --pipeline drafts a block (auto does not on the tiny models)
 )
 COMPARISON = re.compile(r"\s*(>|<|>=|<=|==|!=)\s*[0-9.e+-]+\s*$")
 SELECTOR = re.compile(r"specdec_[a-z0-9_]+(?:\{[^}]*\})?")
