@@ -4,9 +4,14 @@ Policy. Each round `AdaptiveGamma` picks the γ in [0, max_gamma] that maximises
 committed tokens per second of the WHOLE batch it shares, E(α̂, γ) / round(γ) - the synchronous
 form of the performance model (docs/architecture.md), S = E / (γ·c + v + ρ), in seconds. γ = 0 means plain
 decoding: one verify of one token, one committed token, no draft call. Every `explore_every`-th
-round it instead probes a neighbour of that choice (γ±1, or `explore_gamma` from γ = 0, repeated
-while probes from 0 accept every candidate), so the cost fits see several γ and the policy
-recovers speculation after backing off to 0.
+round it instead probes a neighbour of that choice (γ±1; γ = 0 while plain decoding has not
+been measured and on every 8th probe, so its cost is measured rather than extrapolated), so the
+cost fits see several γ. From γ = 0 it probes the best γ > 0 (`explore_gamma` until the
+costs are measured), first after `explore_every`
+rounds, then after twice as many each time a probe's first candidate is rejected (up to 8
+times: where speculation does not pay, probing costs little; a probe that accepts some resets
+it), repeated at once while probes from 0 accept every candidate, so the policy recovers
+speculation when the text gets predictable.
 
 Round time, from what each round measures and what the workers report (forward and queue time
 of their batched passes, and how many positions the verify pass computed):
@@ -15,7 +20,8 @@ of their batched passes, and how many positions the verify pass computed):
 
 - s: the draft's time per step (its forward time / γ) - c·(target step) in the model;
 - a + b·P: the target's forward time for P positions (a weighted least-squares fit over the
-  verify passes the coordinator saw, each counted once however many of its sessions report it;
+  verify passes with candidates the coordinator saw — plain decoding passes, one position per
+  session, have a fit of their own: a one-token step often costs less than that line says — each counted once however many of its sessions report it;
   batches of many sizes and the probes make it well conditioned);
 - N: sessions per verify batch. With N sessions choosing alike, one more candidate costs the
   batch N positions, so the verify slope a session sees is b·N, not b: this is what makes γ back
@@ -125,7 +131,11 @@ class CostModel:
     def __init__(self, decay: float = 0.9, fit_decay: float = 0.98) -> None:
         if not (0.0 < decay <= 1.0 and 0.0 < fit_decay <= 1.0):
             raise ValueError("decay and fit_decay must be in (0, 1]")
-        self.verify_fit = _AffineFit(fit_decay)  # target forward seconds against positions
+        # target forward seconds against positions: passes that verify candidates, and plain
+        # decoding passes (one position per session) apart — a one-token step is often
+        # cheaper than the line through the longer passes predicts (a CPU's decode path)
+        self.verify_fit = _AffineFit(fit_decay)
+        self.plain_fit = _AffineFit(fit_decay)
         self.draft_step = _Ewma(decay)  # draft forward seconds per step
         self.batch_size = _Ewma(decay)  # N
         self.draft_queue = _Ewma(decay)  # q_d
@@ -142,11 +152,15 @@ class CostModel:
         """α̂ over every session's recent speculative rounds, shrunk towards `prior`."""
         return self.acceptance.value(prior, weight)
 
-    def verify_forward_s(self, positions: float) -> float:
-        """Predicted target forward time for `positions` positions (prior: 1.0, flat)."""
-        if self.verify_fit.empty:
+    def verify_forward_s(self, positions: float, plain: bool = False) -> float:
+        """Predicted target forward time for `positions` positions (prior: 1.0, flat); with
+        `plain`, of a plain decoding pass (one position per session). Each fit stands in for
+        the other until it has data."""
+        fits = (self.plain_fit, self.verify_fit) if plain else (self.verify_fit, self.plain_fit)
+        fit = next((f for f in fits if not f.empty), None)
+        if fit is None:
             return 1.0
-        intercept, slope = self.verify_fit.coefficients()
+        intercept, slope = fit.coefficients()
         return intercept + slope * positions
 
     def observe(self, gamma: int, t: RoundTiming) -> None:
@@ -158,7 +172,8 @@ class CostModel:
         if t.batch_seq is None or t.batch_seq != self._last_pass.get(t.worker):
             if t.batch_seq is not None:
                 self._last_pass[t.worker] = t.batch_seq
-            self.verify_fit.add(positions, v_fwd)
+            plain = positions <= t.batch_size
+            (self.plain_fit if plain else self.verify_fit).add(positions, v_fwd)
             self.passes += 1
         self.batch_size.add(t.batch_size)
         if v_fwd > 0:
@@ -205,6 +220,8 @@ class AdaptiveGamma:
         self._probes = 0
         self._probing_from_zero = False
         self._probe_again = False
+        self._zero_rounds = 0  # rounds at γ = 0 since the last probe from 0
+        self._zero_period = explore_every  # rounds between probes from 0 (doubling, capped)
         self.pipeline = "off"  # on | auto | off: rounds draft the next block during a verify
 
     @property
@@ -216,7 +233,7 @@ class AdaptiveGamma:
         """Predicted wall time of this session's Verify call with γ candidates, load included."""
         c = self.costs
         n = c.batch_size.get(1.0)
-        forward = c.verify_forward_s(n * (gamma + 1))
+        forward = c.verify_forward_s(n * (gamma + 1), plain=gamma == 0)
         return c.verify_net.get(0.0) + (1.0 + c.verify_queue.get(0.0)) * forward
 
     def draft_s(self, gamma: int) -> float:
@@ -224,7 +241,8 @@ class AdaptiveGamma:
         if gamma == 0:
             return 0.0
         c = self.costs
-        step = c.draft_step.get(self.prior_draft_ratio * c.verify_forward_s(c.batch_size.get(1.0)))
+        prior = self.prior_draft_ratio * c.verify_forward_s(c.batch_size.get(1.0), plain=True)
+        step = c.draft_step.get(prior)
         return c.draft_net.get(0.0) + (1.0 + c.draft_queue.get(0.0)) * gamma * step
 
     def round_s(self, gamma: int) -> float:
@@ -297,14 +315,43 @@ class AdaptiveGamma:
         self._calls += 1
         probe_again, self._probe_again = self._probe_again, False
         self._probing_from_zero = False
-        if best == 0 and (probe_again or self._explore_now()):
-            self._probing_from_zero = True
-            return min(self.explore_gamma, self.max_gamma)
-        if best > 0 and self._explore_now():
+        if best == 0:
+            self._zero_rounds += 1
+            if probe_again or self._probe_from_zero_now():
+                self._probing_from_zero = True
+                return self._probe_gamma()
+            return 0
+        self._zero_rounds, self._zero_period = 0, self.explore_every
+        if self._explore_now():
             self._probes += 1
+            if self.costs.plain_fit.empty or self._probes % 8 == 0:
+                return 0  # what plain decoding costs, measured (every 8th probe keeps it current)
             up, down = min(best + 1, self.max_gamma), best - 1
             return up if self._probes % 2 == 1 and up != best else down
         return best
+
+    def _probe_gamma(self) -> int:
+        """γ of a probe from 0: the best γ > 0 once draft and candidate verify passes have
+        been measured (the probe then tests the γ that would be chosen, with as many
+        candidates as it would verify), else `explore_gamma`."""
+        if self.costs.verify_fit.empty or self.costs.draft_step.value is None:
+            return min(self.explore_gamma, self.max_gamma)
+        rates = [(self.expected_rate(g), -g) for g in range(1, self.max_gamma + 1)]
+        return -max(rates)[1] if rates else 0
+
+    def _probe_from_zero_now(self) -> bool:
+        """At γ = 0 the first probe comes after `explore_every` rounds (N times more in
+        batches of N), and each probe whose first candidate is rejected doubles the wait, up
+        to 8 times (one that accepts some resets it): where speculation does not pay, probing
+        must not cost more than a few per cent, and where it does a probe soon accepts."""
+        if self.explore_every == 0:
+            return False
+        period = self._zero_period * max(1, round(self.costs.batch_size.get(1.0)))
+        if self._zero_rounds < period:
+            return False
+        self._zero_rounds = 0
+        self._zero_period = min(2 * self._zero_period, 8 * self.explore_every)
+        return True
 
     def _explore_now(self) -> bool:
         """Every `explore_every`-th round alone; N times rarer in batches of N sessions (the
@@ -338,4 +385,6 @@ class AdaptiveGamma:
             self._acceptance.observe(accepted, rejected)
             self.costs.acceptance.observe(accepted, rejected)
         self._probe_again = self._probing_from_zero and gamma > 0 and not rejected
+        if self._probing_from_zero and gamma > 0 and accepted > 0:
+            self._zero_period = self.explore_every  # some acceptance: keep looking as often
         self._probing_from_zero = False

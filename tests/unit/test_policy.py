@@ -83,7 +83,7 @@ def test_picks_zero_for_low_alpha_and_expensive_draft():
     Sim(0.05, draft_per_token=0.006, verify_base=0.01, verify_per_token=0.0, overhead=0.001).run(
         policy, 200
     )
-    assert policy.alpha < 0.1
+    assert policy.alpha < 0.15  # from the prior 0.6, with the few probes a losing γ gets
     assert policy.best_gamma() == 0
 
 
@@ -120,19 +120,25 @@ def test_recovers_from_zero_via_exploration():
     assert bad.run(policy, 300)[-20:].count(0) >= 18
     good = Sim(0.95, 0.003, 0.01, 0.0, 0.001, seed=2)
     chosen = good.run(policy, 150)
-    assert min(chosen[-30:]) >= 1
+    assert chosen[-30:].count(0) <= 1  # at most the probe that re-measures plain decoding
     assert policy.best_gamma() >= 3
     assert policy.alpha > 0.8
 
 
-def test_exploration_is_deterministic_and_periodic_at_zero():
+def test_exploration_at_zero_backs_off_while_probes_are_rejected():
     policy = AdaptiveGamma(max_gamma=8, explore_every=10)
-    Sim(0.0, 0.01, 0.01, 0.0, 0.001).run(policy, 200)
-    # each probe is rejected at once, so from 0 the policy probes exactly every 10th round
-    chosen = [policy.choose() for _ in range(30)]
-    assert sorted(set(chosen)) == [0, 2]
-    probes = [i for i, g in enumerate(chosen) if g]
-    assert len(probes) == 3 and probes[1] - probes[0] == 10 and probes[2] - probes[1] == 10
+    sim = Sim(0.0, 0.01, 0.01, 0.0, 0.001)
+    chosen = sim.run(policy, 1200)
+    start = chosen.index(0)
+    probes = [i for i, g in enumerate(chosen) if g and i > start]
+    # every probe's first candidate is rejected: each wait doubles (20, 40, then 80 = 8 × 10)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [20, 40, 80, 80] and set(gaps[4:]) == {80}
+    # where a probe accepts some, the wait is back to 10 rounds at once
+    lucky = Sim(0.5, 0.01, 0.01, 0.0, 0.001, seed=3)
+    again = lucky.run(policy, 400)
+    zeros = [i for i, g in enumerate(again) if g == 0]
+    assert zeros and min(b - a for a, b in zip(zeros, zeros[1:]) if b - a > 1) <= 11
     no_explore = AdaptiveGamma(max_gamma=8, explore_every=0)
     Sim(0.0, 0.01, 0.01, 0.0, 0.001).run(no_explore, 100)
     assert set(no_explore.choose() for _ in range(50)) == {0}
@@ -220,9 +226,10 @@ def test_choice_is_the_argmax_of_the_model(
 def test_probe_that_accepts_everything_is_repeated():
     policy = AdaptiveGamma(max_gamma=8, explore_every=10)
     Sim(0.0, 0.003, 0.01, 0.0, 0.001).run(policy, 200)
-    chosen = Sim(1.0, 0.003, 0.01, 0.0, 0.001).run(policy, 30)
+    chosen = Sim(1.0, 0.003, 0.01, 0.0, 0.001).run(policy, 100)
     first = next(i for i, g in enumerate(chosen) if g)
-    assert chosen[first : first + 3] == [2, 2, 2]  # best_gamma alone would still say 0
+    assert chosen[first] >= 1  # the probe: best_gamma alone would still say 0
+    assert chosen[first + 1] >= 1 and chosen[first + 2] >= 1  # repeated, each accepted
 
 
 def test_backs_off_when_the_batch_grows_at_the_same_cost_per_position():
@@ -265,7 +272,7 @@ def test_an_early_rejection_does_not_switch_a_new_session_off():
 
 def test_a_verify_pass_reported_by_many_sessions_is_fitted_once():
     def passes(costs, seq):
-        for n, (positions, seconds) in enumerate([(4, 0.010), (8, 0.014), (16, 0.022)]):
+        for n, (positions, seconds) in enumerate([(8, 0.014), (12, 0.018), (16, 0.022)]):
             for _session in range(4):  # every session of the pass reports it
                 timing = RoundTiming(
                     round_s=seconds,
