@@ -74,6 +74,24 @@ class Processed:
     top_z: torch.Tensor  # [R, W] float32, the largest z, descending
     top_ids: torch.Tensor  # [R, W] int64
 
+    @classmethod
+    def gather(cls, logits: torch.Tensor, parts) -> Processed:
+        """The rows of `logits` [R, vocab] processed in `parts` — (row indices, Processed of
+        those rows) — as one Processed over all R rows; rows no part covers are left
+        unprocessed (τ = +inf: nothing kept, p = 0)."""
+        device, count = logits.device, logits.shape[0]
+        width = max((part.top_z.shape[1] for _, part in parts), default=1)
+        tau = torch.full((count,), float("inf"), device=device)
+        log_z = torch.zeros(count, dtype=torch.float64, device=device)
+        top_z = torch.full((count, width), float("-inf"), device=device)
+        top_ids = torch.zeros(count, width, dtype=torch.int64, device=device)
+        temps = torch.ones(count, device=device)
+        for index, part in parts:
+            w = part.top_z.shape[1]
+            tau[index], log_z[index], temps[index] = part.tau, part.log_z, part.temperature
+            top_z[index, :w], top_ids[index, :w] = part.top_z, part.top_ids
+        return cls(logits, temps, tau, log_z, top_z, top_ids)
+
     def prob(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """p(tokens) for rows (same shapes), float64."""
         z = self.logits[rows, tokens].float() / self.temperature[rows]
@@ -97,15 +115,28 @@ class Processed:
         return torch.where(z >= self.tau[rows, None], p, torch.zeros_like(p))
 
 
+CHUNK = 512  # float32 partial sums of this many values, added in float64 (`_sum64`)
+
+
+def _sum64(x: torch.Tensor) -> torch.Tensor:
+    """Row sums of float32 x [R, N] as float64, within ~1e-8 relative of an exact sum:
+    float32 sums of chunks of `CHUNK` values (views, no copy), added in float64. A float64
+    accumulation (`sum(dtype=float64)`) converts every value and costs ~20× as much on a
+    CPU; a whole-row float32 sum is off by ~1e-7."""
+    rows, n = x.shape
+    m = n - n % CHUNK
+    head = x[:, :m].reshape(rows, m // CHUNK, CHUNK).sum(dim=-1).double().sum(dim=-1)
+    return head + x[:, m:].double().sum(dim=-1)
+
+
 def _lse(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
-    """log Σ exp(z) per row [R, N] (−inf entries count 0), float64. A whole row: exp in
-    float32 (bandwidth), the sum in float64 — p then sums to 1 within ~1e-7, where a float32
-    sum would be off by ~1e-6; a window: all in float64."""
+    """log Σ exp(z) per row [R, N] (−inf entries count 0), float64. A window: all in
+    float64; a whole row: exp in float32 (bandwidth), summed by `_sum64` — p then sums to 1
+    within ~1e-7."""
     if z.shape[-1] <= WIDE:
         shifted = torch.exp(z.double() - z_max.double()[:, None])
-    else:
-        shifted = torch.exp(z - z_max[:, None])
-    return torch.log(shifted.sum(dim=-1, dtype=torch.float64)) + z_max.double()
+        return torch.log(shifted.sum(dim=-1)) + z_max.double()
+    return torch.log(_sum64(torch.exp(z - z_max[:, None]))) + z_max.double()
 
 
 def _masked_lse(z: torch.Tensor, tau: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,9 @@ Randomness comes from the session's counter-based stream at the absolute positio
 Two front ends share the rule: `verify_block` takes dense p and q̃ (the reference the
 lossless tests check), `verify_logits` the hot path: the target's logits, the processors as
 tensors and the draft's sparse q̃ — p is evaluated only at the candidates (B·γ numbers) and
-in full only at each session's first rejected (or bonus) position, one row per session.
+in full only at each session's first rejected (or bonus) position, one row per session; the
+sampling rows are processed (top-k/top-p/min-p) position by position for the sessions still
+accepting, so a session's rows after its first rejection are never touched.
 """
 
 from __future__ import annotations
@@ -80,8 +82,13 @@ def next_token(
 ) -> torch.Tensor:
     """The recovered token (residual of p_next − q_next where rejected) or the bonus token
     (p_next) [S]. p_next, q_next: [S, vocab] float64; positions: absolute, [S]."""
+    return draw_next(p_next, q_next, rejected, uniform(seeds, positions, Stream.RESIDUAL))
+
+
+def draw_next(p_next, q_next, rejected, u) -> torch.Tensor:
+    """`next_token` with the uniforms given."""
     dist = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)
-    return sample_inverse_cdf(dist, uniform(seeds, positions, Stream.RESIDUAL))
+    return sample_inverse_cdf(dist, u)
 
 
 def assemble(
@@ -179,19 +186,173 @@ def verify_logits(
     processed = None
     if len(s):
         rows = logits if len(s) == batch else logits[s]  # no copy when all rows sample
-        processed = process(rows.reshape(-1, vocab), params.repeat_rows(slots))
-        row0 = torch.arange(len(s), device=device) * slots  # first row of each session
-        safe = torch.where(steps[None, :] < num[s, None], candidates[s], 0)
-        p_y = processed.prob((row0[:, None] + steps[None, :]).reshape(-1), safe.reshape(-1))
-        q_y = DraftBlock(candidates[s], num[s], block.q_ids[s], block.q_weights[s])
-        n = accepted_prefix(
-            p_y.reshape(len(s), gamma), q_y.q_of_candidates(), num[s], seeds[s], base_positions[s]
+        n, processed = _accept_sampling(
+            rows.reshape(-1, vocab),
+            params,
+            DraftBlock(candidates[s], num[s], block.q_ids[s], block.q_weights[s]),
+            seeds[s],
+            base_positions[s],
         )
-        p_next = processed.dense(row0 + n)  # [S, vocab]: the only dense rows
+        row0 = torch.arange(len(s), device=device) * slots  # first row of each session
         rejected = n < num[s]
-        q_next = block.dense_q(s, n.clamp(max=max(gamma - 1, 0)), vocab) if gamma else p_next
+        at = n.clamp(max=max(gamma - 1, 0))
+        q_ids = block.q_ids[s, at] if gamma else None
+        q_weights = block.q_weights[s, at] if gamma else None
+        u = uniform(seeds[s], base_positions[s] + n, Stream.RESIDUAL)
         num_accepted[s] = n
-        next_tokens[s] = next_token(p_next, q_next, rejected, seeds[s], base_positions[s] + n)
+        next_tokens[s] = sample_next(processed, row0 + n, q_ids, q_weights, rejected, u)
     result = assemble(candidates, num_accepted, next_tokens)
     result.processed = processed
     return result
+
+
+def _accept_sampling(
+    rows: torch.Tensor,
+    params: ProcessorParams,
+    block: DraftBlock,
+    seeds: torch.Tensor,
+    base_positions: torch.Tensor,
+) -> tuple[torch.Tensor, Processed]:
+    """Accepted candidates of S sampling sessions [S] from their logits rows [S·(γ+1), vocab]
+    (session-major), processing position by position only the sessions still accepting: a
+    session's rows after its first rejection are never processed (the costly part at a real
+    vocabulary is the flat rows' top-p), so a round processes Σ (accepted + 1) rows, not
+    S·(γ+1). The same test as `accepted_prefix`, u_i < min(1, p(y_i)/q̃(y_i)) with the same
+    uniforms, so the result is the same. Returns the counts and the processed rows (rows
+    past a session's last one are left unprocessed: τ = +inf, p = 0)."""
+    sessions, gamma = block.candidates.shape
+    slots, device = gamma + 1, rows.device
+    steps = torch.arange(gamma, device=device)
+    u = uniform(seeds[:, None], base_positions[:, None] + steps[None, :], Stream.ACCEPT)
+    q_y = block.q_of_candidates()  # [S, γ]
+    n = torch.zeros(sessions, dtype=torch.int64, device=device)
+    going = torch.arange(sessions, device=device)  # sessions whose position i is processed
+    parts: list[tuple[torch.Tensor, Processed]] = []
+    for i in range(slots):
+        index = going * slots + i
+        part = process(rows[index], params[going])
+        parts.append((index, part))
+        n[going] = i
+        if i == gamma:
+            break
+        offered = i < block.num_candidates[going]
+        y = torch.where(offered, block.candidates[going, i], 0)
+        p_y = part.prob(torch.arange(len(going), device=device), y)
+        accept = offered & (u[going, i] < acceptance_probability(p_y, q_y[going, i]))
+        n[going[accept]] = i + 1
+        going = going[accept]
+        if not len(going):
+            break
+    return n, Processed.gather(rows, parts)
+
+
+CHUNK = 512  # `sample_next` locates the sample among chunks of this many tokens first
+
+
+def sample_next(
+    processed: Processed,
+    rows: torch.Tensor,
+    q_ids: torch.Tensor | None,
+    q_weights: torch.Tensor | None,
+    rejected: torch.Tensor,
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """The recovered token (from the residual max(p − q̃, 0), where `rejected`) or the bonus
+    token (from p) of processed rows [S], by inverse CDF in vocabulary order with uniforms u —
+    `next_token`'s draw without a dense float64 row. q̃ has K entries, so the residual is p
+    except at those K tokens, where it is p − min(p, q̃). The mass of every chunk of `CHUNK`
+    tokens comes from float32 exps (summed per chunk, scaled to p in float64); the chunk
+    where u · mass falls is then sampled exactly in float64. The draw equals the dense one
+    unless u · mass lies within float32 rounding (~1e-7 of a chunk's mass) of a chunk
+    boundary. A row whose kept set lies inside its top window (a peaked row: the usual case)
+    is sampled from the window alone, exactly (`_sample_window`). q_ids, q_weights: [S, K]
+    q̃ of each row's position (None: no candidates)."""
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=rows.device)
+    inside = processed.top_z[rows, -1] < processed.tau[rows]  # nothing kept past the window
+    if processed.top_z.shape[1] >= processed.logits.shape[1]:
+        inside[:] = True
+    for mask, sample in ((inside, _sample_window), (~inside, _sample_chunks)):
+        r = mask.nonzero().squeeze(1)
+        if len(r):
+            qi = None if q_ids is None else q_ids[r]
+            qw = None if q_weights is None else q_weights[r]
+            tokens[r] = sample(processed, rows[r], qi, qw, rejected[r], u[r])
+    return tokens
+
+
+def _q_at(ids: torch.Tensor, q_ids: torch.Tensor, q_weights: torch.Tensor) -> torch.Tensor:
+    """q̃ of tokens ids [S, N] from the sparse q̃ [S, K], float64."""
+    q = q_weights.double() / q_weights.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+    return ((ids[:, :, None] == q_ids[:, None, :]) * q[:, None, :]).sum(dim=-1)
+
+
+def _sample_window(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tensor:
+    """`sample_next` for rows whose kept set is inside the top window: p (or the residual)
+    over the window's tokens in vocabulary order, float64 — the dense draw's cumulative sums
+    exactly (the other tokens add zeros)."""
+    tz, ids = processed.top_z[rows], processed.top_ids[rows]
+    log_z, tau = processed.log_z[rows], processed.tau[rows]
+    w = torch.where(tz >= tau[:, None], torch.exp(tz.double() - log_z[:, None]), 0.0)
+    if q_ids is not None and bool(rejected.any()):
+        residual = (w - _q_at(ids, q_ids, q_weights)).clamp_min(0.0)
+        use = rejected & (residual.sum(dim=-1) > 0)  # no residual mass: p (rounding only)
+        w = torch.where(use[:, None], residual, w)
+    order = ids.argsort(dim=1)
+    ids, w = ids.gather(1, order), w.gather(1, order)
+    return ids.gather(1, sample_inverse_cdf(w, u)[:, None]).squeeze(1)
+
+
+def _sample_chunks(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tensor:
+    """`sample_next` for rows whose kept set runs past the window (see there)."""
+    logits = processed.logits[rows].float()
+    sessions, vocab = logits.shape
+    device = logits.device
+    z = logits / processed.temperature[rows, None]
+    tau, log_z = processed.tau[rows], processed.log_z[rows]
+    z_max = processed.top_z[rows, 0]
+    e = torch.exp(z - z_max[:, None]).masked_fill_(z < tau[:, None], 0.0)
+    m = vocab - vocab % CHUNK
+    chunks = [e[:, :m].reshape(sessions, m // CHUNK, CHUNK).sum(dim=-1)]
+    if m < vocab:
+        chunks.append(e[:, m:].sum(dim=-1, keepdim=True))
+    scale = torch.exp(z_max.double() - log_z)[:, None]
+    mass = torch.cat(chunks, dim=1).double() * scale  # [S, chunks]: p's mass per chunk
+    delta = None
+    if q_ids is not None and bool(rejected.any()):
+        zq = z.gather(1, q_ids)
+        p_q = torch.where(zq >= tau[:, None], torch.exp(zq.double() - log_z[:, None]), 0.0)
+        q = q_weights / q_weights.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+        delta = -torch.minimum(p_q, q) * rejected[:, None]  # residual − p at the K tokens
+        residual = mass.scatter_add(1, q_ids // CHUNK, delta).clamp_min_(0.0)
+        # no residual mass is reachable only by rounding (p = q̃): sample p there
+        has_mass = residual.sum(dim=-1) > 0
+        mass = torch.where(has_mass[:, None], residual, mass)
+        delta = delta * has_mass[:, None]
+    cum = mass.cumsum(dim=1)
+    target = u.double() * cum[:, -1]
+    chunk = torch.searchsorted(cum, target[:, None], right=True).squeeze(1)
+    chunk = torch.minimum(chunk, (mass > 0).long().cumsum(dim=1).argmax(dim=1))
+    start = chunk * CHUNK
+    index = start[:, None] + torch.arange(CHUNK, device=device)
+    inside = index < vocab
+    zc = z.gather(1, index.clamp(max=vocab - 1))
+    w = torch.exp(zc.double() - log_z[:, None])
+    w = torch.where(inside & (zc >= tau[:, None]), w, 0.0)  # [S, CHUNK] exact p
+    if delta is not None:
+        offset = q_ids - start[:, None]
+        here = (offset >= 0) & (offset < CHUNK)
+        w = w.scatter_add(1, offset.clamp(0, CHUNK - 1), delta * here).clamp_min_(0.0)
+    rows_ = torch.arange(sessions, device=device)
+    before = torch.where(chunk > 0, cum[rows_, (chunk - 1).clamp(min=0)], 0.0)
+    local = torch.searchsorted(w.cumsum(dim=1), (target - before)[:, None], right=True)
+    last = (w > 0).long().cumsum(dim=1).argmax(dim=1)  # rounding past the chunk's end
+    tokens = start + torch.minimum(local.squeeze(1), last)
+    empty = (w.sum(dim=1) <= 0).nonzero().squeeze(1)  # rounding chose a chunk with no mass
+    if len(empty):
+        p = processed.dense(rows[empty])
+        dense_q = torch.zeros_like(p)
+        if q_ids is not None:
+            dense_q.scatter_add_(1, q_ids[empty], q_weights[empty].double())
+            dense_q /= dense_q.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+        tokens[empty] = draw_next(p, dense_q, rejected[empty], u[empty])
+    return tokens
