@@ -145,8 +145,18 @@ def _masked_lse(z: torch.Tensor, tau: torch.Tensor, z_max: torch.Tensor) -> torc
     return _lse(kept, z_max)
 
 
-def _full_lse(logits, temperature, tau, z_max) -> torch.Tensor:
-    """log Σ_{z ≥ τ} exp(z) over whole rows (one pass; τ = −inf rows take every token)."""
+def _full_lse(logits, temperature, tau, z_max, scaled: bool = False) -> torch.Tensor:
+    """log Σ_{z ≥ τ} exp(z) over whole rows (one pass; τ = −inf rows take every token).
+
+    `scaled` (for top-p's whole-row normaliser, which only places the cut): without a
+    threshold z is scaled by 1/T instead of divided by T and exponentiated in place — a third
+    of the passes on a CPU, at the price of a sum off by up to ~5e-7 relative (1/T rounds), a
+    shift of the cumulative masses the cut compares with top_p of that size. A log Z that p
+    itself is computed from is always summed over z divided by T, as `prob` computes z."""
+    if scaled and bool(torch.isinf(tau).all()) and logits.shape[-1] > WIDE:
+        z = logits.float() * (1.0 / temperature)[:, None]
+        z.sub_(z_max[:, None]).exp_()
+        return torch.log(_sum64(z)) + z_max.double()
     z = logits.float() / temperature[:, None]
     if bool(torch.isinf(tau).all()):
         return _lse(z, z_max)
@@ -178,7 +188,7 @@ def _thresholds(
     past = p_on & (z[:, -1] >= tau_k) & (width < vocab)  # top-k set runs past the window
     if bool(past.any()):
         r = past.nonzero().squeeze(1)
-        log_k[r] = _full_lse(logits[r], temperature[r], tau_k[r], z[r, 0])
+        log_k[r] = _full_lse(logits[r], temperature[r], tau_k[r], z[r, 0], scaled=True)
     mass = torch.exp(z.double() - log_k[:, None])  # top-k-renormalised p of the window
     before = mass.cumsum(dim=-1) - mass  # mass strictly above each rank
     keep = (before < pp.top_p[:, None]) & (z >= tau_k[:, None])
@@ -234,14 +244,36 @@ def _wide_row(logits: torch.Tensor, pp: ProcessorParams, log_all: torch.Tensor):
     return tau, _masked_lse(z[None], tau[None], z_max[None])[0]
 
 
-def process(logits: torch.Tensor, pp: ProcessorParams, window: int = WINDOW) -> Processed:
+def _window_tau(z: torch.Tensor, pp: ProcessorParams) -> torch.Tensor:
+    """τ of rows whose top-p nucleus covers their whole window z [R, W]: top-k's and min-p's
+    thresholds only (the window's tokens are all inside the nucleus)."""
+    rows, width = z.shape
+    ninf = torch.full((rows,), float("-inf"), device=z.device)
+    k_on = (pp.top_k > 0) & (pp.top_k <= width)
+    kth = z.gather(1, (pp.top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
+    tau = torch.where(k_on, kth, ninf)
+    m_on = pp.min_p > 0.0
+    tau_m = (z[:, 0].double() + torch.log(pp.min_p.clamp(min=1e-300))).float()
+    return torch.maximum(tau, torch.where(m_on, tau_m, ninf))
+
+
+def process(
+    logits: torch.Tensor, pp: ProcessorParams, window: int = WINDOW, window_only: bool = False
+) -> Processed:
     """The processed distributions of sampling rows [R, vocab] (see the module docstring).
 
     Rows whose top-p nucleus does not fit the window are finished one by one from a
     histogram of their mass (`_nucleus_cut`): a few passes over the row and a sort of one
-    bin, never of the whole vocabulary (rows with top-k as well, rare, take the whole row)."""
+    bin, never of the whole vocabulary (rows with top-k as well, rare, take the whole row).
+    With `window_only` (the draft: q̃ is the top window's kept part) such rows are not
+    finished: the whole window is inside their nucleus, so τ is only top-k's and min-p's
+    and log Z is not computed (NaN) — exact for every token of the window, not beyond."""
     logits = logits if logits.dtype == torch.float32 else logits.float()
     tau, log_z, top_z, top_ids, fits, log_k = _thresholds(logits, pp, window)
+    if window_only and not bool(fits.all()):
+        r = (~fits).nonzero().squeeze(1)
+        tau[r], log_z[r] = _window_tau(top_z[r], pp[r]), float("nan")
+        fits = torch.ones_like(fits)
     for i in (~fits).nonzero().squeeze(1).tolist():
         row = pp[i : i + 1]
         if 0 < int(row.top_k) < logits.shape[-1]:

@@ -65,14 +65,17 @@ def propose_step(
     """
     batch, vocab = logits.shape
     device = logits.device
-    tokens = logits.argmax(dim=-1)  # [B]
     sampled = [b for b in range(batch) if not token_only[b]]
     if not sampled:
-        return Proposal(tokens=tokens, dist_ids=None, dist_weights=None)
+        return Proposal(tokens=logits.argmax(dim=-1), dist_ids=None, dist_weights=None)
+    tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+    if len(sampled) < batch:  # the argmax only where it is the candidate
+        only = torch.tensor([b for b in range(batch) if token_only[b]], device=device)
+        tokens[only] = logits[only].argmax(dim=-1)
     k = min(wire_top_k, vocab)
     idx = torch.tensor(sampled, device=device)
     pp = ProcessorParams.of([params[b] for b in sampled], device=device)
-    processed = process(logits[idx], pp, window=max(WINDOW, k))
+    processed = process(logits[idx], pp, window=max(WINDOW, k), window_only=True)
     z = processed.top_z[:, :k]
     scaled = torch.exp(z.double() - z[:, :1].double()) * WIRE_WEIGHT_MAX
     weights = torch.where(z >= processed.tau[:, None], torch.round(scaled), 0.0).to(torch.int64)
