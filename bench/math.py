@@ -86,6 +86,24 @@ def case(vocab: int, batch: int, mode: str, dense: bool, repeat: int) -> dict:
     row["verify_ms"] = timed(
         lambda: verify_logits(target, mask, sampling, block, seeds, base), repeat
     )
+    if not greedy:
+        # the synthetic target rows are unrelated to the draft, so most candidates are
+        # rejected at once and few rows are processed; the worst case — every candidate
+        # accepted, all γ+1 rows of every session processed — gets the candidate's logit
+        # raised far above the rest at each position
+        done = verify_logits(target, mask, sampling, block, seeds, base).num_accepted
+        row["rows_processed"] = float((done + 1).sum()) / (batch * (GAMMA + 1))
+        boosted = target.clone()
+        boosted[:, :GAMMA].scatter_add_(
+            2,
+            candidates[..., None],
+            torch.full_like(candidates[..., None], 40.0, dtype=boosted.dtype),
+        )
+        accepted = verify_logits(boosted, mask, sampling, block, seeds, base).num_accepted
+        row["all_accepted_share"] = float((accepted == GAMMA).double().mean())
+        row["verify_all_accepted_ms"] = timed(
+            lambda: verify_logits(boosted, mask, sampling, block, seeds, base), repeat
+        )
     row["draft_step_ms"] = timed(
         lambda: propose_step(draft_logits, params, seeds, base, K, [greedy] * batch), repeat
     )
@@ -168,13 +186,17 @@ def markdown(rows: list[dict], shares: list[dict], threads: int) -> str:
     out = [
         f"Per-pass math, {threads} CPU thread(s), γ = {GAMMA}, K = {K}; median ms.",
         "",
-        "| vocab | batch | mode | verify pass | draft step | dense verify (before) "
-        "| dense draft step (before) | nucleus mean / median |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| vocab | batch | mode | verify pass | rows processed | verify, all accepted "
+        "| draft step | dense verify (before) | dense draft step (before) "
+        "| nucleus mean / median |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        share = r.get("rows_processed")
         out.append(
             f"| {r['vocab']:,} | {r['batch']} | {r['mode']} | {fmt(r['verify_ms'])} "
+            f"| {'—' if share is None else f'{100 * share:.0f} %'} "
+            f"| {fmt(r.get('verify_all_accepted_ms'))} "
             f"| {fmt(r['draft_step_ms'])} | {fmt(r.get('dense_verify_ms'))} "
             f"| {fmt(r.get('dense_draft_step_ms'))} "
             f"| {fmt(r.get('nucleus_mean'))} / {fmt(r.get('nucleus_median'))} |"
