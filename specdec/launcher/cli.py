@@ -39,6 +39,7 @@ SERVICES = {
     "bench load": "bench.load",
     "bench tls": "bench.tls",
     "bench chaos": "bench.chaos",
+    "bench pipeline": "bench.pipeline",
 }
 
 

@@ -1,0 +1,129 @@
+"""What pipelined rounds give: the same requests through a stack with `--pipeline off` and one
+with `--pipeline on` (and the default `auto`), one after the other.
+
+    python -m bench.pipeline [--prompts 8] [--tokens 96] [--repeats 2]
+                             [--target-model models/target] [--draft-model models/draft]
+                             [--out results/pipeline]            (also: specdec bench pipeline)
+
+The stacks alternate off, on, auto, off, on, auto, … (a drift of the machine shows in all),
+each with the target and the draft worker on one thread. Per stack, at concurrency 1, the
+held-out prompts of the code pair (64 tokens of the held-out standard-library files) with
+greedy and with sampling (T = 0.8, top-p 0.95, seeded) at γ = 2, 4 and adaptive; per
+configuration the aggregate decode rate (generated tokens / total time), the rounds and the
+share of rounds whose candidates were drafted ahead (`GenerationStats.drafted_ahead`), and
+whether the greedy outputs are the same in every stack (they must be: lossless either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from bench.prompts import heldout_prompts
+from specdec.client import Client
+from specdec.launcher.stack import Stack, StackSettings
+from specdec.serving.redis_embedded import free_port
+
+MODES = {"greedy": {"temperature": 0.0}, "sampling": {"temperature": 0.8, "top_p": 0.95}}
+GAMMAS = (2, 4, None)
+STACKS = ("off", "on", "auto")
+
+
+def measure(stack: Stack, prompts: list[list[int]], tokens: int) -> dict:
+    """Every (mode, γ) over the prompts at concurrency 1."""
+    results = {}
+    with Client(stack.address, timeout_s=600) as client:
+        client.generate(prompts[0], max_new_tokens=8, ignore_eos=True)  # warm-up
+        for mode, sampling in MODES.items():
+            for gamma in GAMMAS:
+                generated = rounds = ahead = 0
+                seconds, outputs = 0.0, []
+                for i, prompt in enumerate(prompts):
+                    out = client.generate(
+                        prompt,
+                        max_new_tokens=tokens,
+                        ignore_eos=True,
+                        seed=i if mode == "sampling" else None,
+                        num_speculative_tokens=gamma,
+                        **sampling,
+                    )
+                    s = out.stats
+                    generated += s.generated_tokens
+                    rounds += s.rounds
+                    ahead += s.drafted_ahead
+                    seconds += (s.total_time_ms - s.time_to_first_token_ms) / 1000
+                    outputs.append(list(out.token_ids))
+                results[f"{mode}/{gamma}"] = {
+                    "tokens_per_s": (generated - len(prompts)) / seconds,
+                    "rounds": rounds,
+                    "drafted_ahead": ahead,
+                    "outputs": outputs,
+                }
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specdec bench pipeline", description=__doc__)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--target-model", default="models/target")
+    p.add_argument("--draft-model", default="models/draft")
+    p.add_argument("--heldout", default="models/heldout_files.txt")
+    p.add_argument("--out", default="results/pipeline")
+    args = p.parse_args(argv)
+    tokenizer = AutoTokenizer.from_pretrained(args.target_model)
+    prompts, _ = heldout_prompts(tokenizer, args.prompts, 64, args.heldout)
+    runs: dict[str, list[dict]] = {name: [] for name in STACKS}
+    for repeat in range(args.repeats):
+        for name in STACKS:
+            settings = StackSettings(
+                args.target_model,
+                args.draft_model,
+                port=free_port(),
+                coordinator_args=["--pipeline", name],
+            )
+            with Stack(settings) as stack:
+                runs[name].append(measure(stack, prompts, args.tokens))
+            rates = {k: round(v["tokens_per_s"], 1) for k, v in runs[name][-1].items()}
+            print(f"repeat {repeat} --pipeline {name}: {json.dumps(rates)}", flush=True)
+    lines = [
+        f"# Pipelined rounds: {args.prompts} held-out prompts × {args.tokens} tokens, "
+        f"concurrency 1, target and draft 1 thread each, median of {args.repeats} runs",
+        "",
+        "| mode | γ | tok/s off | tok/s on | on / off | drafted ahead (on) "
+        "| tok/s auto | auto / off | drafted ahead (auto) | greedy outputs equal |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for key in runs["off"][0]:
+        mode, gamma = key.split("/")
+        rate = {n: statistics.median(r[key]["tokens_per_s"] for r in runs[n]) for n in STACKS}
+        share = {
+            n: sum(r[key]["drafted_ahead"] for r in runs[n])
+            / sum(r[key]["rounds"] for r in runs[n])
+            for n in STACKS
+        }
+        outputs = [r[key]["outputs"] for n in STACKS for r in runs[n]]
+        same = "yes" if all(o == outputs[0] for o in outputs) else "no"
+        label = "adaptive" if gamma == "None" else gamma
+        lines.append(
+            f"| {mode} | {label} | {rate['off']:.1f} | {rate['on']:.1f} | "
+            f"{rate['on'] / rate['off']:.3f}× | {100 * share['on']:.0f} % | {rate['auto']:.1f} | "
+            f"{rate['auto'] / rate['off']:.3f}× | {100 * share['auto']:.0f} % | "
+            f"{same if mode == 'greedy' else '—'} |"
+        )
+    report = "\n".join(lines)
+    print(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pipeline.md").write_text(report + "\n")
+    (out / "pipeline.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
