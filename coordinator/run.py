@@ -314,9 +314,14 @@ class SessionRun:
             seed=self.record.seed,
         )
         task = asyncio.create_task(
-            self.links.propose_ahead(optimistic, build, next_gamma + 1, len(self.committed))
+            self._propose_ahead(optimistic, build, next_gamma + 1, len(self.committed))
         )
         return Ahead(task, gamma, next_gamma, worker.address, time.perf_counter())
+
+    async def _propose_ahead(self, optimistic, build, steps: int, held: int):
+        """The call behind `draft_ahead`, in a `specdec.draft_ahead` span of the round."""
+        with span("specdec.draft_ahead", steps=steps, tokens=len(optimistic)):
+            return await self.links.propose_ahead(optimistic, build, steps, held)
 
     async def settle_ahead(self, ahead: Ahead, outcome: RoundOutcome):
         """Wait for the drafted-ahead block; the next round's proposal when this round accepted

@@ -118,7 +118,10 @@ def observed(model_dirs, receiver):
         model_dirs["draft"],
         port=free_port(),
         log_level="warning",
-        coordinator_args=["--metrics-port", str(ports["coordinator"])],
+        # rounds as the trace assertions below expect them: one Propose per round with
+        # candidates (pipelined rounds add a `specdec.draft_ahead` span that overlaps the
+        # verify, and a round using its block has no Propose of its own)
+        coordinator_args=["--metrics-port", str(ports["coordinator"]), "--pipeline", "off"],
         target_args=["--metrics-port", str(ports["target"])],
         draft_args=["--metrics-port", str(ports["draft"])],
     )
