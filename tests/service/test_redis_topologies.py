@@ -192,10 +192,11 @@ def test_a_script_over_two_sessions_is_refused_by_the_cluster(cluster):
         node.eval("return 1", 2, *keys)
 
 
-def test_list_workers_finds_workers_on_every_node(cluster):
-    """Workers whose registry keys live on different primaries (checked with CLUSTER KEYSLOT
-    and COUNTKEYSINSLOT on the owner) are all listed; after stop() none is. A SCAN of one
-    node alone (the negative control) misses some."""
+def test_list_workers_reads_one_slot_and_forgets_expired_entries(cluster):
+    """A role's registry entries and its address set share one slot (one primary: listing
+    is SMEMBERS + one MGET there, never a SCAN of every node); a worker whose entry expired
+    without a deregistration (killed) is not listed and leaves the set; after stop() none is
+    listed. Negative control: the entry of an unregistered address is not listed either."""
     addresses = [f"127.0.0.1:{20000 + i}" for i in range(12)]
 
     async def scenario(client):
@@ -205,25 +206,33 @@ def test_list_workers_finds_workers_on_every_node(cluster):
         ]
         for registration in registrations:
             await registration.start()
-        owners = {}
-        for registration in registrations:
+        slots = set()
+        for registration in registrations + [registrations[0]]:
             port = cluster.node_of(registration.key)
             with cluster.node(port) as node:
-                slot = node.execute_command("CLUSTER", "KEYSLOT", registration.key)
-                assert node.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) >= 1
-                assert node.exists(registration.key) == 1
-            owners[registration.key] = port
+                slots.add(node.execute_command("CLUSTER", "KEYSLOT", registration.key))
+                slots.add(node.execute_command("CLUSTER", "KEYSLOT", registration.index))
         listed = sorted(w["address"] for w in await list_workers(client, "spread"))
-        with cluster.node(cluster.ports[0]) as node:
-            one_node = list(node.scan_iter(match="specdec:worker:spread:*"))
+        # a killed worker: its entry expires, its address stays in the set until a listing
+        dead = registrations.pop()
+        dead._task.cancel()
+        await client.delete(dead.key)
+        await client.set("specdec:worker:{spread}:127.0.0.1:1", '{"address": "stray"}')
+        after_kill = sorted(w["address"] for w in await list_workers(client, "spread"))
+        members = {
+            m.decode() if isinstance(m, bytes) else m for m in await client.smembers(dead.index)
+        }
+        await client.delete("specdec:worker:{spread}:127.0.0.1:1")
         for registration in registrations:
             await registration.stop()
-        return owners, listed, one_node, await list_workers(client, "spread")
+        await dead.redis.aclose()
+        return slots, listed, after_kill, members, await list_workers(client, "spread")
 
-    owners, listed, one_node, after = run(scenario, cluster.url)
-    assert len(set(owners.values())) >= 2
+    slots, listed, after_kill, members, after = run(scenario, cluster.url)
+    assert len(slots) == 1
     assert listed == sorted(addresses)
-    assert 0 < len(one_node) < len(addresses)
+    assert after_kill == sorted(addresses[:-1])
+    assert addresses[-1] not in members and len(members) == len(addresses) - 1
     assert after == []
 
 

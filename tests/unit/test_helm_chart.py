@@ -1286,10 +1286,11 @@ LUA_CALL = re.compile(r"redis\.call\('(\w+)'")
 # Commands redis-py sends for the client-side calls of coordinator/store.py and
 # specdec/serving/registry.py: register_script -> EVALSHA (SCRIPT LOAD on NOSCRIPT, SCRIPT
 # EXISTS + LOAD in pipelines; never EVAL; no MULTI/EXEC: a session is read by a script);
-# hgetall, lrange, get, set (cancel, heartbeat), delete -> DEL, scan_iter -> SCAN.
+# hgetall, lrange, get, set (cancel, heartbeat), delete -> DEL; the registry's index set:
+# sadd, srem, smembers, and mget of the entries it names.
 CLIENT_COMMANDS = {
     "evalsha", "script|load", "script|exists",
-    "hgetall", "lrange", "get", "set", "del", "scan",
+    "hgetall", "lrange", "get", "set", "del", "sadd", "srem", "smembers", "mget",
 }  # fmt: skip
 # On connect: AUTH (HELLO with RESP3), SELECT for a database other than 0; PING: the probe.
 CONNECTION_COMMANDS = {"hello", "auth", "ping", "select"}

@@ -343,26 +343,29 @@ def test_the_coordinator_service_is_ready_once_a_target_slice_appears(api, kubec
 
 
 class Registry:
-    """Just enough of redis.asyncio for `list_workers`."""
+    """Just enough of redis.asyncio for `list_workers`: entries by key, and each role's set
+    of addresses derived from them."""
 
     def __init__(self, entries: dict[str, dict] | None):
         self.entries = entries
 
-    async def scan_iter(self, match: str, count: int):
+    async def smembers(self, index: str):
         if self.entries is None:
             raise ConnectionError("redis is down")
-        for key in self.entries:
-            if key.startswith(match.rstrip("*")):
-                yield key
+        role = index.removeprefix("specdec:workers:")
+        return {key.split(":", 3)[3].encode() for key in self.entries if f":{role}:" in key}
 
-    async def get(self, key: str):
-        return json.dumps(self.entries[key])
+    async def mget(self, keys: list[str]):
+        return [json.dumps(self.entries[k]) if k in self.entries else None for k in keys]
+
+    async def srem(self, index: str, *members):
+        pass
 
 
 def test_redis_and_static_discovery():
     entries = {
-        "specdec:worker:draft:d1:1": {"address": "d1:1", "load": 2.5},
-        "specdec:worker:target:t1:1": {"address": "t1:1"},
+        "specdec:worker:{draft}:d1:1": {"address": "d1:1", "load": 2.5},
+        "specdec:worker:{target}:t1:1": {"address": "t1:1"},
     }
     found = RedisDiscovery(Registry(entries))
     assert asyncio.run(found.addresses("draft")) == {"d1:1": 2.5}
