@@ -48,13 +48,42 @@ def seed_tensor(seeds, device=None) -> torch.Tensor:
     return torch.tensor([_to_signed(int(s)) for s in seeds], dtype=torch.int64, device=device)
 
 
+def _mix_int(x: int) -> int:
+    """`_mix` on one unsigned 64-bit Python int (the same bits)."""
+    x = ((x ^ (x >> 30)) * _M1) & _MASK64
+    x = ((x ^ (x >> 27)) * _M2) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _uniform_int(seed: int, position: int, stream: int) -> float:
+    key = _mix_int((seed + _GOLDEN * (stream + 1)) & _MASK64)
+    x = _mix_int(key ^ ((position * _GOLDEN) & _MASK64))
+    return (x >> 11) * (1.0 / (1 << 53))
+
+
+SMALL = 64  # up to this many draws on a CPU, Python ints beat ~15 tensor ops' dispatch
+
+
 def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
     """Uniform float64 in [0, 1) for each (seed, position) pair; shapes broadcast.
 
-    53 random bits, so u < 1 always and every value is exactly representable.
-    """
+    53 random bits, so u < 1 always and every value is exactly representable. A few draws
+    on a CPU (the usual round: one per session and position) are computed on Python ints,
+    bit for bit the same (tests/unit/test_sampling_core.py)."""
     seed = seed.to(torch.int64)
     position = position.to(torch.int64)
+    if seed.device.type == "cpu" and max(seed.numel(), position.numel()) <= SMALL:
+        s, p = torch.broadcast_tensors(seed, position)
+        stream = int(stream)
+        values = [
+            _uniform_int(a & _MASK64, b & _MASK64, stream)
+            for a, b in zip(s.reshape(-1).tolist(), p.reshape(-1).tolist())
+        ]
+        return torch.tensor(values, dtype=torch.float64).reshape(s.shape)
+    return _uniform_tensor(seed, position, stream)
+
+
+def _uniform_tensor(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
     key = _mix(seed + _to_signed(_GOLDEN * (int(stream) + 1)))
     x = _mix(key ^ (position * _to_signed(_GOLDEN)))
     return _srl(x, 11).to(torch.float64) * (1.0 / (1 << 53))

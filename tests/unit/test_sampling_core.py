@@ -32,6 +32,29 @@ def test_uniform_is_a_pure_function_of_seed_position_stream():
     assert not torch.equal(batched, uniform(seeds, positions + 1, Stream.ACCEPT))
 
 
+def test_the_python_int_path_draws_the_tensor_path_s_bits():
+    """Few draws are computed on Python ints: the same 53 bits as the vectorised path, for
+    seeds across the whole uint64 range, broadcast shapes and every stream."""
+    from specdec.core import rng
+
+    gen = torch.Generator().manual_seed(9)
+    seeds = seed_tensor(
+        [0, 1, 2**63 - 1, 2**63, 2**64 - 1] + torch.randint(0, 2**62, (11,), generator=gen).tolist()
+    )
+    positions = torch.randint(0, 2**40, (16,), generator=gen)
+    for stream in Stream:
+        small = uniform(seeds, positions, stream)
+        assert torch.equal(small, rng._uniform_tensor(seeds, positions, stream))
+        grid = uniform(seeds[:4, None], positions[None, :8], stream)  # [4, 8], broadcast
+        assert grid.shape == (4, 8)
+        assert torch.equal(grid, rng._uniform_tensor(seeds[:4, None], positions[None, :8], stream))
+    # negative control: another stream's bits differ
+    assert not torch.equal(
+        uniform(seeds, positions, Stream.DRAFT),
+        rng._uniform_tensor(seeds, positions, Stream.ACCEPT),
+    )
+
+
 def test_uniform_is_uniform():
     u = uniform(seed_tensor([7]), torch.arange(200_000), Stream.DRAFT)
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
