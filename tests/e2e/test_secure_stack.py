@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdec.client import Client
 from specdec.launcher.stack import Stack, StackSettings
 from specdec.serving.redis_embedded import free_port
-from specdec.serving.registry import worker_key
+from specdec.serving.registry import index_key, worker_key
 from specdec.serving.security import ClientTLS
 
 pytestmark = pytest.mark.slow
@@ -211,6 +211,7 @@ class LiarProcess:
         self.redis = redis.from_url(stack.redis_url)
         self.key = worker_key("target", self.address)
         self.redis.set(self.key, json.dumps({"address": self.address, "load": -1000}), px=60_000)
+        self.redis.sadd(index_key("target"), self.address)
 
     def _read(self):
         for line in self.process.stdout:
@@ -223,6 +224,7 @@ class LiarProcess:
 
     def stop(self):
         self.redis.delete(self.key)
+        self.redis.srem(index_key("target"), self.address)
         self.process.kill()
         self.process.wait(10)
 
