@@ -517,37 +517,9 @@ def cmd_greedy(args) -> int:
 
 def math_inputs(vocab: int, batch: int, mode: str) -> dict:
     """The inputs bench/math.py's `case` builds (same seeds, same LLM-like logits), on CPU."""
-    import torch
+    from bench.math import case_inputs
 
-    from bench.math import GAMMA, MODES, K, llm_like
-    from specdec.core.proposal import propose_step
-    from specdec.core.rng import seed_tensor
-
-    params = [MODES[mode]] * batch
-    greedy = params[0].greedy
-    seeds, base = seed_tensor(range(batch)), torch.arange(batch) * 7
-    draft_logits = llm_like(batch, vocab, seed=1)
-    target = llm_like(batch * (GAMMA + 1), vocab, seed=2).reshape(batch, GAMMA + 1, vocab)
-    step = propose_step(draft_logits, params, seeds, base, K, [greedy] * batch)
-    candidates = step.tokens[:, None].repeat(1, GAMMA)
-    if greedy:
-        q_ids, q_w = candidates[..., None], torch.ones(batch, GAMMA, 1, dtype=torch.float64)
-    else:
-        q_ids = step.dist_ids[:, None].repeat(1, GAMMA, 1)
-        q_w = step.dist_weights[:, None].repeat(1, GAMMA, 1).double()
-    return {
-        "params": params,
-        "greedy": greedy,
-        "seeds": seeds,
-        "base": base,
-        "draft_logits": draft_logits,
-        "target": target,
-        "candidates": candidates,
-        "num": torch.full((batch,), GAMMA),
-        "q_ids": q_ids,
-        "q_w": q_w,
-        "mask": torch.full((batch,), greedy),
-    }
+    return case_inputs(vocab, batch, mode)
 
 
 def hot_path(inputs: dict, device):

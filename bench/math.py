@@ -66,7 +66,9 @@ def dense_draft_step(logits, params, seeds, positions):
     return ids.gather(1, choice[:, None])
 
 
-def case(vocab: int, batch: int, mode: str, dense: bool, repeat: int) -> dict:
+def case_inputs(vocab: int, batch: int, mode: str) -> dict:
+    """What `case` times (also bench/gpu_check.py, on a GPU): LLM-like draft and target
+    logits, the draft's candidates and sparse q̃, seeds and positions, on the CPU."""
     params = [MODES[mode]] * batch
     greedy = params[0].greedy
     seeds, base = seed_tensor(range(batch)), torch.arange(batch) * 7
@@ -79,8 +81,27 @@ def case(vocab: int, batch: int, mode: str, dense: bool, repeat: int) -> dict:
     else:
         q_ids = step.dist_ids[:, None].repeat(1, GAMMA, 1)
         q_w = step.dist_weights[:, None].repeat(1, GAMMA, 1).double()
-    block = DraftBlock(candidates, torch.full((batch,), GAMMA), q_ids, q_w)
-    mask = torch.full((batch,), greedy)
+    return {
+        "params": params,
+        "greedy": greedy,
+        "seeds": seeds,
+        "base": base,
+        "draft_logits": draft_logits,
+        "target": target,
+        "candidates": candidates,
+        "num": torch.full((batch,), GAMMA),
+        "q_ids": q_ids,
+        "q_w": q_w,
+        "mask": torch.full((batch,), greedy),
+    }
+
+
+def case(vocab: int, batch: int, mode: str, dense: bool, repeat: int) -> dict:
+    x = case_inputs(vocab, batch, mode)
+    params, greedy, seeds, base = x["params"], x["greedy"], x["seeds"], x["base"]
+    draft_logits, target, candidates = x["draft_logits"], x["target"], x["candidates"]
+    q_ids, q_w, mask = x["q_ids"], x["q_w"], x["mask"]
+    block = DraftBlock(candidates, x["num"], q_ids, q_w)
     sampling = ProcessorParams.of([] if greedy else params)
     row = {"vocab": vocab, "batch": batch, "mode": mode}
     row["verify_ms"] = timed(
