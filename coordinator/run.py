@@ -299,11 +299,11 @@ class SessionRun:
         left = self.max_new_tokens - len(self.generated) - gamma - 1
         fixed = self.record.gamma
         next_gamma = self.policy.choose() if fixed is None else fixed
-        bound = min(
-            self.ctx.settings.max_speculative_tokens, worker.info.max_speculative_tokens - 1
-        )
-        next_gamma = min(next_gamma, bound, left - 1)
-        if next_gamma < 1:
+        budget = min(next_gamma, self.ctx.settings.max_speculative_tokens, left - 1)
+        # the guess takes one of the draft's steps: past its limit, no block ahead (a fixed γ
+        # must stay what choose_gamma would give, or the seeded text would change)
+        next_gamma = min(budget, worker.info.max_speculative_tokens - 1)
+        if next_gamma < 1 or (fixed is not None and next_gamma < budget):
             return None
         optimistic = self.committed + list(proposal.candidate_ids)
         build = lambda base, delta: draft_pb2.ProposeRequest(  # noqa: E731
