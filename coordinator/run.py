@@ -41,9 +41,7 @@ class Ahead:
 
     task: asyncio.Task
     gamma: int  # this round's γ (the block it follows)
-    next_gamma: int  # candidates it drafts after the guess
     address: str  # the draft worker asked
-    started: float
 
 
 @dataclass
@@ -316,7 +314,7 @@ class SessionRun:
         task = asyncio.create_task(
             self._propose_ahead(optimistic, build, next_gamma + 1, len(self.committed))
         )
-        return Ahead(task, gamma, next_gamma, worker.address, time.perf_counter())
+        return Ahead(task, gamma, worker.address)
 
     async def _propose_ahead(self, optimistic, build, steps: int, held: int):
         """The call behind `draft_ahead`, in a `specdec.draft_ahead` span of the round."""
@@ -347,10 +345,11 @@ class SessionRun:
             )
         elif isinstance(answer, Exception):
             self.ctx.count("drafts_ahead", outcome="failed")
-            retry = isinstance(answer, grpc.aio.AioRpcError) and answer.code() not in FAILOVER_CODES
-            busy = isinstance(answer, grpc.aio.AioRpcError) and answer.code() == BUSY
+            code = answer.code() if isinstance(answer, grpc.aio.AioRpcError) else None
+            refused = code is not None and code not in FAILOVER_CODES  # the next Propose says
             worker = self.links.draft.worker
-            if not (retry or busy) and worker is not None and worker.address == ahead.address:
+            same = worker is not None and worker.address == ahead.address
+            if not (refused or code == BUSY) and same:
                 await self.links.draft_failed(ahead.address, answer, self.record.gamma is not None)
         if not hit:
             return None
