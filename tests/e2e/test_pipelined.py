@@ -122,3 +122,46 @@ def test_four_tokens_with_blocks_drafted_ahead_follow_the_target_distribution(st
     # (keeping positions 0-1) must break the joint
     shuffled = [a[:2] + b[2:] for a, b in zip(samples, itertools.islice(samples, 1, None))]
     assert p_value(shuffled, hf_joint(hf, prompt, 4, 1.0, 2)) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_draft_killed_while_blocks_are_drafted_ahead_leaves_the_output_exact(model_dirs, hf):
+    """Two drafts, --pipeline on: the session's draft is killed mid-stream (whichever call
+    finds it dead first — its own Propose or the block drafted ahead — fails it over). No
+    token is lost or repeated and the greedy output is still HF's."""
+    import signal
+
+    from specdec.client import Client
+
+    settings = StackSettings(
+        model_dirs["target"],
+        model_dirs["draft"],
+        port=free_port(),
+        log_level="warning",
+        draft_workers=2,
+        coordinator_args=["--pipeline", "on", "--draft-timeout-s", "2"],
+    )
+    model, tokenizer = hf
+    prompt = "def add(a, b):"
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    expected = model.generate(
+        ids, max_new_tokens=64, do_sample=False, attention_mask=torch.ones_like(ids)
+    )[0, ids.shape[1] :].tolist()
+    with Stack(settings) as stack, Client(stack.address, timeout_s=120) as client:
+        stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(stack.address))
+        tokens, last, killed = [], None, None
+        for chunk in client.stream(
+            prompt, max_new_tokens=64, ignore_eos=True, num_speculative_tokens=3, session_id="k"
+        ):
+            assert chunk.offset == len(tokens), "a token was lost or repeated"
+            tokens += list(chunk.token_ids)
+            last = chunk
+            if killed is None and len(tokens) >= 16:
+                info = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="k"))
+                killed = info.draft_worker
+                index = stack.draft_addresses.index(killed)
+                stack.child(f"draft-worker-{index}").signal(signal.SIGKILL)
+        info = stub.GetSession(coordinator_pb2.GetSessionRequest(session_id="k"))
+    assert killed and tokens == expected
+    assert last.stats.draft_failovers >= 1 and last.stats.drafted_ahead > 0
+    assert info.draft_worker not in ("", killed)  # moved to the other draft
