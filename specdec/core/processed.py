@@ -118,15 +118,22 @@ class Processed:
 CHUNK = 512  # float32 partial sums of this many values, added in float64 (`_sum64`)
 
 
-def _sum64(x: torch.Tensor) -> torch.Tensor:
-    """Row sums of float32 x [R, N] as float64, within ~1e-8 relative of an exact sum:
-    float32 sums of chunks of `CHUNK` values (views, no copy), added in float64. A float64
-    accumulation (`sum(dtype=float64)`) converts every value and costs ~20× as much on a
-    CPU; a whole-row float32 sum is off by ~1e-7."""
+def chunk_sums(x: torch.Tensor) -> torch.Tensor:
+    """float32 sums of consecutive chunks of `CHUNK` values of each row of x [R, N] (views,
+    no copy), the last chunk possibly shorter: [R, ⌈N / CHUNK⌉]."""
     rows, n = x.shape
     m = n - n % CHUNK
-    head = x[:, :m].reshape(rows, m // CHUNK, CHUNK).sum(dim=-1).double().sum(dim=-1)
-    return head + x[:, m:].double().sum(dim=-1)
+    sums = [x[:, :m].reshape(rows, m // CHUNK, CHUNK).sum(dim=-1)]
+    if m < n:
+        sums.append(x[:, m:].sum(dim=-1, keepdim=True))
+    return torch.cat(sums, dim=1)
+
+
+def _sum64(x: torch.Tensor) -> torch.Tensor:
+    """Row sums of float32 x [R, N] as float64, within ~1e-8 relative of an exact sum: the
+    `chunk_sums` added in float64. A float64 accumulation (`sum(dtype=float64)`) converts
+    every value and costs ~20× as much on a CPU; a whole-row float32 sum is off by ~1e-7."""
+    return chunk_sums(x).double().sum(dim=-1)
 
 
 def _lse(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
@@ -244,19 +251,6 @@ def _wide_row(logits: torch.Tensor, pp: ProcessorParams, log_all: torch.Tensor):
     return tau, _masked_lse(z[None], tau[None], z_max[None])[0]
 
 
-def _window_tau(z: torch.Tensor, pp: ProcessorParams) -> torch.Tensor:
-    """τ of rows whose top-p nucleus covers their whole window z [R, W]: top-k's and min-p's
-    thresholds only (the window's tokens are all inside the nucleus)."""
-    rows, width = z.shape
-    ninf = torch.full((rows,), float("-inf"), device=z.device)
-    k_on = (pp.top_k > 0) & (pp.top_k <= width)
-    kth = z.gather(1, (pp.top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
-    tau = torch.where(k_on, kth, ninf)
-    m_on = pp.min_p > 0.0
-    tau_m = (z[:, 0].double() + torch.log(pp.min_p.clamp(min=1e-300))).float()
-    return torch.maximum(tau, torch.where(m_on, tau_m, ninf))
-
-
 def process(
     logits: torch.Tensor, pp: ProcessorParams, window: int = WINDOW, window_only: bool = False
 ) -> Processed:
@@ -266,13 +260,13 @@ def process(
     histogram of their mass (`_nucleus_cut`): a few passes over the row and a sort of one
     bin, never of the whole vocabulary (rows with top-k as well, rare, take the whole row).
     With `window_only` (the draft: q̃ is the top window's kept part) such rows are not
-    finished: the whole window is inside their nucleus, so τ is only top-k's and min-p's
-    and log Z is not computed (NaN) — exact for every token of the window, not beyond."""
+    finished: the whole window is inside their nucleus, so the τ `_thresholds` found (at
+    most the window's last value) keeps exactly the window tokens top-k and min-p keep, and
+    log Z is not computed (NaN) — exact for every token of the window, not beyond."""
     logits = logits if logits.dtype == torch.float32 else logits.float()
     tau, log_z, top_z, top_ids, fits, log_k = _thresholds(logits, pp, window)
     if window_only and not bool(fits.all()):
-        r = (~fits).nonzero().squeeze(1)
-        tau[r], log_z[r] = _window_tau(top_z[r], pp[r]), float("nan")
+        log_z[~fits] = float("nan")
         fits = torch.ones_like(fits)
     for i in (~fits).nonzero().squeeze(1).tolist():
         row = pp[i : i + 1]

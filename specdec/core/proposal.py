@@ -91,7 +91,7 @@ def propose_step(
 def dense_q(ids: torch.Tensor, weights: torch.Tensor, vocab: int) -> torch.Tensor:
     """q̃ as a dense float64 distribution [..., vocab] from wire ids/weights [..., K]."""
     weights = weights.double()
-    dense = torch.zeros(*ids.shape[:-1], vocab, dtype=torch.float64)
+    dense = torch.zeros(*ids.shape[:-1], vocab, dtype=torch.float64, device=ids.device)
     dense.scatter_add_(-1, ids.long(), weights)
     return dense / weights.sum(dim=-1, keepdim=True)
 

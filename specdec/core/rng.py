@@ -91,4 +91,4 @@ def _uniform_tensor(seed: torch.Tensor, position: torch.Tensor, stream: int) -> 
 
 def uniform_scalar(seed: int, position: int, stream: int) -> float:
     """One draw; the same value `uniform` gives for these arguments."""
-    return float(uniform(seed_tensor([seed]), torch.tensor([position]), stream)[0])
+    return _uniform_int(int(seed) & _MASK64, int(position) & _MASK64, int(stream))

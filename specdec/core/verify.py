@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.core.processed import Processed, ProcessorParams, process
+from specdec.core.processed import CHUNK, Processed, ProcessorParams, chunk_sums, process
+from specdec.core.proposal import dense_q
 from specdec.core.rng import Stream, uniform
 from specdec.core.sampling import sample_inverse_cdf
 
@@ -246,9 +247,6 @@ def _accept_sampling(
     return n, Processed.gather(rows, parts)
 
 
-CHUNK = 512  # `sample_next` locates the sample among chunks of this many tokens first
-
-
 def sample_next(
     processed: Processed,
     rows: torch.Tensor,
@@ -280,9 +278,14 @@ def sample_next(
     return tokens
 
 
+def _normalised(q_weights: torch.Tensor) -> torch.Tensor:
+    """Wire weights [S, K] as q̃'s probabilities, float64."""
+    return q_weights.double() / q_weights.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+
+
 def _q_at(ids: torch.Tensor, q_ids: torch.Tensor, q_weights: torch.Tensor) -> torch.Tensor:
     """q̃ of tokens ids [S, N] from the sparse q̃ [S, K], float64."""
-    q = q_weights.double() / q_weights.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+    q = _normalised(q_weights)
     return ((ids[:, :, None] == q_ids[:, None, :]) * q[:, None, :]).sum(dim=-1)
 
 
@@ -311,18 +314,15 @@ def _sample_chunks(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tens
     tau, log_z = processed.tau[rows], processed.log_z[rows]
     z_max = processed.top_z[rows, 0]
     e = torch.exp(z - z_max[:, None]).masked_fill_(z < tau[:, None], 0.0)
-    m = vocab - vocab % CHUNK
-    chunks = [e[:, :m].reshape(sessions, m // CHUNK, CHUNK).sum(dim=-1)]
-    if m < vocab:
-        chunks.append(e[:, m:].sum(dim=-1, keepdim=True))
     scale = torch.exp(z_max.double() - log_z)[:, None]
-    mass = torch.cat(chunks, dim=1).double() * scale  # [S, chunks]: p's mass per chunk
+    mass = chunk_sums(e).double() * scale  # [S, chunks]: p's mass per chunk
     delta = None
     if q_ids is not None and bool(rejected.any()):
         zq = z.gather(1, q_ids)
         p_q = torch.where(zq >= tau[:, None], torch.exp(zq.double() - log_z[:, None]), 0.0)
-        q = q_weights / q_weights.sum(dim=-1, keepdim=True).clamp_min(1e-300)
-        delta = -torch.minimum(p_q, q) * rejected[:, None]  # residual − p at the K tokens
+        delta = (
+            -torch.minimum(p_q, _normalised(q_weights)) * rejected[:, None]
+        )  # residual − p at the K tokens
         residual = mass.scatter_add(1, q_ids // CHUNK, delta).clamp_min_(0.0)
         # no residual mass is reachable only by rounding (p = q̃): sample p there
         has_mass = residual.sum(dim=-1) > 0
@@ -350,9 +350,6 @@ def _sample_chunks(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tens
     empty = (w.sum(dim=1) <= 0).nonzero().squeeze(1)  # rounding chose a chunk with no mass
     if len(empty):
         p = processed.dense(rows[empty])
-        dense_q = torch.zeros_like(p)
-        if q_ids is not None:
-            dense_q.scatter_add_(1, q_ids[empty], q_weights[empty].double())
-            dense_q /= dense_q.sum(dim=-1, keepdim=True).clamp_min(1e-300)
-        tokens[empty] = draw_next(p, dense_q, rejected[empty], u[empty])
+        q = p if q_ids is None else dense_q(q_ids[empty], q_weights[empty], vocab)
+        tokens[empty] = draw_next(p, q, rejected[empty], u[empty])
     return tokens
