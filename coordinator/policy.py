@@ -255,11 +255,15 @@ class AdaptiveGamma:
         the guess was right — probability α^(γ+1), taking the guess as likely as one more
         accepted candidate. Expected: (1 − α^(γ+1))·draft_s(γ) + max(A, B)
         (`specdec.core.perf_model.speedup_draft_ahead` in target steps)."""
-        sync = self.draft_s(gamma) + self.verify_s(gamma) + self.costs.rest.get(0.0)
+        sync = self.sync_round_s(gamma)
         if self.pipeline == "off" or gamma == 0:
             return sync
         pipelined = self.pipelined_round_s(gamma)
         return pipelined if self.pipeline == "on" else min(sync, pipelined)
+
+    def sync_round_s(self, gamma: int) -> float:
+        """`round_s` of a round that drafts, then verifies, then commits."""
+        return self.draft_s(gamma) + self.verify_s(gamma) + self.costs.rest.get(0.0)
 
     def pipelined_round_s(self, gamma: int) -> float:
         """`round_s` of a round that drafts the next block during its verify (see there)."""
@@ -270,8 +274,7 @@ class AdaptiveGamma:
     def pipelining_pays(self, gamma: int) -> bool:
         """Whether drafting ahead is predicted to shorten rounds of γ candidates: only while
         the next block's draft hides behind the verify and the commit, or nearly so."""
-        sync = self.draft_s(gamma) + self.verify_s(gamma) + self.costs.rest.get(0.0)
-        return gamma > 0 and self.pipelined_round_s(gamma) < sync
+        return gamma > 0 and self.pipelined_round_s(gamma) < self.sync_round_s(gamma)
 
     def planning_alpha(self) -> float:
         """The α̂ γ is planned with: the session's own when it verifies alone; in batches (N ≥
@@ -301,9 +304,11 @@ class AdaptiveGamma:
             plan = self.costs.batch_plan = (self.costs.passes, self._argmax())
         return min(plan[1], self.max_gamma)
 
-    def _argmax(self) -> int:
-        best, best_rate = 0, self.expected_rate(0)
-        for gamma in range(1, self.max_gamma + 1):
+    def _argmax(self, low: int = 0) -> int:
+        """The γ in [low, max_gamma] with the largest `expected_rate` (ties: the smaller)."""
+        low = min(low, self.max_gamma)
+        best, best_rate = low, self.expected_rate(low)
+        for gamma in range(low + 1, self.max_gamma + 1):
             rate = self.expected_rate(gamma)
             if rate > best_rate * (1 + 1e-12):
                 best, best_rate = gamma, rate
@@ -336,8 +341,7 @@ class AdaptiveGamma:
         candidates as it would verify), else `explore_gamma`."""
         if self.costs.verify_fit.empty or self.costs.draft_step.value is None:
             return min(self.explore_gamma, self.max_gamma)
-        rates = [(self.expected_rate(g), -g) for g in range(1, self.max_gamma + 1)]
-        return -max(rates)[1] if rates else 0
+        return self._argmax(low=1)
 
     def _probe_from_zero_now(self) -> bool:
         """At γ = 0 the first probe comes after `explore_every` rounds (N times more in
