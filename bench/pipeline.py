@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from bench.prompts import heldout_prompts
+from bench.report import save
 from specdec.client import Client
 from specdec.launcher.stack import Stack, StackSettings
 from specdec.serving.redis_embedded import free_port
@@ -116,12 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{rate['auto'] / rate['off']:.3f}× | {100 * share['auto']:.0f} % | "
             f"{same if mode == 'greedy' else '—'} |"
         )
-    report = "\n".join(lines)
-    print(report)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline.md").write_text(report + "\n")
-    (out / "pipeline.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+    save(args.out, "pipeline", "\n".join(lines), {"args": vars(args), "runs": runs})
     return 0
 
 

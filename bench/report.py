@@ -237,3 +237,13 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     json_path.write_text(json.dumps(result, indent=1, default=float) + "\n")
     md_path.write_text(markdown(result))
     return [json_path, md_path, *plots(result, out)]
+
+
+def save(out: str | Path, name: str, report: str, data: dict) -> None:
+    """Print a bench's markdown report and write it with its raw data under `out`
+    (`name`.md, `name`.json)."""
+    print(report)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(report + "\n")
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2))

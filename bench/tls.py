@@ -20,8 +20,8 @@ import asyncio
 import json
 import statistics
 import time
-from pathlib import Path
 
+from bench.report import save
 from specdec.client import Client
 from specdec.launcher.stack import Stack, StackSettings
 from specdec.serving.redis_embedded import free_port
@@ -128,12 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({secure['round_ms'] / plain['round_ms']:.3f}×); per worker RPC: "
         f"{secure['rpc_ms'] - plain['rpc_ms']:+.3f} ms.",
     ]
-    report = "\n".join(lines)
-    print(report)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tls.md").write_text(report + "\n")
-    (out / "tls.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+    save(args.out, "tls", "\n".join(lines), {"args": vars(args), "runs": runs})
     return 0
 
 
