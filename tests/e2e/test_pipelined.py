@@ -21,16 +21,23 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "import os\n", "for i in range(10):\n"]
 
 
+def pipelined_stack(model_dirs, *coordinator_args: str, **settings) -> Stack:
+    """The tiny pair as real processes with `--pipeline on`."""
+    return Stack(
+        StackSettings(
+            model_dirs["target"],
+            model_dirs["draft"],
+            port=free_port(),
+            log_level="warning",
+            coordinator_args=["--pipeline", "on", *coordinator_args],
+            **settings,
+        )
+    )
+
+
 @pytest.fixture(scope="module")
 def stub(model_dirs):
-    settings = StackSettings(
-        model_dirs["target"],
-        model_dirs["draft"],
-        port=free_port(),
-        log_level="warning",
-        coordinator_args=["--pipeline", "on"],
-    )
-    with Stack(settings) as running:
+    with pipelined_stack(model_dirs) as running:
         channel = grpc.insecure_channel(running.address)
         yield coordinator_pb2_grpc.CoordinatorStub(channel)
         channel.close()
@@ -133,21 +140,14 @@ def test_a_draft_killed_while_blocks_are_drafted_ahead_leaves_the_output_exact(m
 
     from specdec.client import Client
 
-    settings = StackSettings(
-        model_dirs["target"],
-        model_dirs["draft"],
-        port=free_port(),
-        log_level="warning",
-        draft_workers=2,
-        coordinator_args=["--pipeline", "on", "--draft-timeout-s", "2"],
-    )
     model, tokenizer = hf
     prompt = "def add(a, b):"
     ids = torch.tensor([tokenizer.encode(prompt)])
     expected = model.generate(
         ids, max_new_tokens=64, do_sample=False, attention_mask=torch.ones_like(ids)
     )[0, ids.shape[1] :].tolist()
-    with Stack(settings) as stack, Client(stack.address, timeout_s=120) as client:
+    stack = pipelined_stack(model_dirs, "--draft-timeout-s", "2", draft_workers=2)
+    with stack, Client(stack.address, timeout_s=120) as client:
         stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(stack.address))
         tokens, last, killed = [], None, None
         for chunk in client.stream(
