@@ -8,7 +8,6 @@ import grpc
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.core.params import SamplingParams
 from specdec.core.sampling import probs_from_logits
@@ -20,14 +19,6 @@ PROMPTS = [
     "import os\n",
     "for i in range(10):\n    print(",
 ]
-
-
-@pytest.fixture(scope="module")
-def hf(model_dirs):
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
-    model.generation_config.eos_token_id = None  # compare with ignore_eos=True runs
-    model.generation_config.pad_token_id = 0
-    return model, AutoTokenizer.from_pretrained(model_dirs["target"])
 
 
 def hf_greedy(hf, prompt: str, n: int) -> list[int]:

@@ -16,7 +16,6 @@ import grpc
 import openai
 import pytest
 from test_generate import hf_greedy
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.client import Client
 from specdec.launcher.stack import Stack, StackSettings
@@ -49,14 +48,6 @@ def model(stack):
 @pytest.fixture(scope="module")
 def oai(stack):
     return openai.OpenAI(base_url=stack.http_url, api_key=KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dirs):
-    target = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
-    target.generation_config.eos_token_id = None
-    target.generation_config.pad_token_id = 0
-    return target, AutoTokenizer.from_pretrained(model_dirs["target"])
 
 
 def grpc_greedy(stack, prompt, n, **kwargs) -> coordinator_pb2.GenerateResponse:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from test_generate import hf_greedy
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
 from specdec.launcher.stack import Stack, StackSettings
@@ -43,14 +43,6 @@ def stub(model_dirs):
         channel.close()
 
 
-@pytest.fixture(scope="module")
-def hf(model_dirs):
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model, AutoTokenizer.from_pretrained(model_dirs["target"])
-
-
 def request(prompt, gamma, **sampling) -> coordinator_pb2.GenerateRequest:
     sampling.setdefault("ignore_eos", True)
     req = coordinator_pb2.GenerateRequest(
@@ -63,13 +55,9 @@ def request(prompt, gamma, **sampling) -> coordinator_pb2.GenerateRequest:
 
 @pytest.mark.parametrize("gamma", [None, 1, 3])
 def test_greedy_with_blocks_drafted_ahead_equals_target_generate(stub, hf, gamma):
-    model, tokenizer = hf
     used = 0
     for prompt in PROMPTS:
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        expected = model.generate(
-            ids, max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(ids)
-        )[0, ids.shape[1] :].tolist()
+        expected = hf_greedy(hf, prompt, 32)
         response = stub.Generate(request(prompt, gamma, max_new_tokens=32), timeout=60)
         assert list(response.token_ids) == expected, (prompt, gamma)
         used += response.stats.drafted_ahead
@@ -140,12 +128,8 @@ def test_a_draft_killed_while_blocks_are_drafted_ahead_leaves_the_output_exact(m
 
     from specdec.client import Client
 
-    model, tokenizer = hf
     prompt = "def add(a, b):"
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    expected = model.generate(
-        ids, max_new_tokens=64, do_sample=False, attention_mask=torch.ones_like(ids)
-    )[0, ids.shape[1] :].tolist()
+    expected = hf_greedy(hf, prompt, 64)
     stack = pipelined_stack(model_dirs, "--draft-timeout-s", "2", draft_workers=2)
     with stack, Client(stack.address, timeout_s=120) as client:
         stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(stack.address))

@@ -20,7 +20,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_faults import live_address as live
 from test_faults import reference, stream_and_kill
 from test_generate import PROMPTS, hf_greedy
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.client import Client
 from specdec.launcher.stack import Stack, StackSettings
@@ -49,14 +48,6 @@ def secure(model_dirs):
         running.second_port = free_port()
         running.add_coordinator(running.second_port, name="coordinator-b")
         yield running
-
-
-@pytest.fixture(scope="module")
-def hf(model_dirs):
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model, AutoTokenizer.from_pretrained(model_dirs["target"])
 
 
 def client(stack, address=None, **overrides) -> Client:
