@@ -4,11 +4,18 @@ Each round: choose γ → propose (draft pool) → verify (target pool) → deto
 stop conditions → commit to Redis (compare-and-set) → publish to the session's streams →
 record statistics, metrics and the policy's observations. Tokens reach `generated` (what
 streams read) only after Redis acknowledged them: commit before stream (invariant 4).
+
+The commit runs behind: a round's commit and publish go on while the next round proposes and
+verifies from the prefix the workers already hold (`committed`, ahead of `generated` by the
+round in flight), and each commit waits for the one before it (the compare-and-set needs
+it). A lost lease or a CancelSession seen by that commit ends the session before the next
+round's tokens are committed; that round's work is discarded (workers fence stale epochs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -55,6 +62,8 @@ class RoundOutcome:
     reason: FinishReason | None = None
     tail: str = ""
     logprobs: list[str] | None = None  # per token, a JSON entry (when the session has them)
+    version: int = 0  # the prefix length the commit's compare-and-set expects
+    stats: dict | None = None  # the session's statistics as of this round
 
 
 def block_ahead_holds(outcome: RoundOutcome, gamma: int, drafted: list[int]) -> bool:
@@ -126,7 +135,9 @@ class SessionRun:
         self.top_logprobs = record.top_logprobs  # None: the session has no log-probabilities
         self.logprobs = list(record.logprobs)  # per generated token, a JSON entry
         self.tail = ""  # text released at the end, after the last token's
-        self.committed = self.prompt + self.generated  # kept in step with `generated`
+        # the prefix the workers hold: `generated` plus the round whose commit is in flight
+        self.committed = self.prompt + self.generated
+        self.landing: asyncio.Task | None = None  # the previous round's commit and publish
         self.max_new_tokens = params.max_new_tokens
         self.started = started
         self.stats = Stats.restore(record.stats)
@@ -163,6 +174,8 @@ class SessionRun:
     # --- the loop -------------------------------------------------------------------
 
     async def run(self) -> None:
+        # commits run as tasks beside the rounds: their spans are the session's, not a round's
+        self.outer = contextvars.copy_context()
         try:
             # The first round sends the whole prompt (or a taken-over prefix): only
             # --max-starting sessions at once, so a burst queues here, not on the workers
@@ -183,9 +196,8 @@ class SessionRun:
                 log.exception("session %s failed", self.session_id)
             raise
         finally:
-            if self.ahead is not None:  # cancelled or failed mid-round
-                self.ahead.task.cancel()
-                self.ahead = None
+            self.stop_ahead()  # cancelled or failed mid-round
+            await self.settle_landing()
             self.changed.set()
             if self.record.gamma is None:
                 log.debug("session %s policy: %s", self.session_id, self.policy.describe())
@@ -223,9 +235,17 @@ class SessionRun:
         result = await self.verify(proposal)
         t2 = time.perf_counter()
         outcome = self.accept(proposal, result)
-        with span("specdec.commit", tokens=len(outcome.tokens)):
-            await self.commit(outcome)
-        self.publish(outcome)
+        await self.landed()  # the previous round's commit: this one's compare-and-set needs it
+        if self.finish_reason is not None:  # CancelSession, seen by that commit: discard
+            outcome.tokens, outcome.reason = [], self.finish_reason
+            self.stop_ahead()
+            return outcome
+        self.advance(outcome)
+        self.landing = asyncio.create_task(
+            self.commit_and_publish(outcome, self.stats.rounds), context=self.outer.copy()
+        )
+        if outcome.reason is not None:  # the last round: the session ends once it is published
+            await self.landed()
         t3 = time.perf_counter()
         if self.ahead is not None:
             self.ready = await self.settle_ahead(self.ahead, outcome)
@@ -234,6 +254,36 @@ class SessionRun:
         marks = (t0, t1, t2, time.perf_counter() - t3)
         self.record_round(outcome, proposal, result, marks, round_s, overlapped)
         return outcome
+
+    async def landed(self) -> None:
+        """Wait for the commit in flight (raises what it raised: LostSession ends the run)."""
+        if self.landing is not None:
+            landing, self.landing = self.landing, None
+            await landing
+
+    async def settle_landing(self) -> None:
+        """At the end of a run: a commit still in flight lands (its tokens were verified), or
+        is cancelled with the run (a takeover recomputes them)."""
+        landing, self.landing = self.landing, None
+        if landing is None:
+            return
+        if isinstance(self.error, asyncio.CancelledError):
+            landing.cancel()
+        try:
+            await landing
+        except (Exception, asyncio.CancelledError) as exc:
+            if not isinstance(exc, (LostSession, asyncio.CancelledError)):
+                log.warning("session %s: the last commit failed: %r", self.session_id, exc)
+
+    def stop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead.task.cancel()
+            self.ahead = None
+
+    @property
+    def produced(self) -> int:
+        """Tokens generated so far, the round whose commit is in flight included."""
+        return len(self.committed) - len(self.prompt)
 
     # --- the steps of a round -------------------------------------------------------
 
@@ -252,7 +302,7 @@ class SessionRun:
         """The request's γ, else the adaptive policy's; never past the length budget."""
         if self.links.draft.worker is None:
             return 0
-        remaining = self.max_new_tokens - len(self.generated)
+        remaining = self.max_new_tokens - self.produced
         fixed = self.record.gamma
         self.policy.pipeline = self.pipeline_mode()
         gamma = self.policy.choose() if fixed is None else fixed
@@ -294,7 +344,7 @@ class SessionRun:
             return None
         # after a full acceptance `gamma + 1` more tokens are committed; the next round then
         # verifies at most `left - 1` candidates (choose_gamma's bound)
-        left = self.max_new_tokens - len(self.generated) - gamma - 1
+        left = self.max_new_tokens - self.produced - gamma - 1
         fixed = self.record.gamma
         next_gamma = self.policy.choose() if fixed is None else fixed
         budget = min(next_gamma, self.ctx.settings.max_speculative_tokens, left - 1)
@@ -360,7 +410,7 @@ class SessionRun:
         """Step 2: the target verifies the candidates (none: a plain decoding step)."""
         candidates = list(proposal.candidate_ids) if proposal is not None else []
         dists = list(proposal.draft_dists) if proposal is not None else []
-        remaining = self.max_new_tokens - len(self.generated)
+        remaining = self.max_new_tokens - self.produced
         return await self.links.verify(
             self.committed,
             lambda base, delta: target_pb2.VerifyRequest(
@@ -396,20 +446,32 @@ class SessionRun:
             outcome.logprobs = logprob_entries(result, len(tokens))
         return outcome
 
-    async def commit(self, outcome: RoundOutcome) -> None:
-        """Step 4: append the round's tokens in Redis (compare-and-set on the version)."""
+    def advance(self, outcome: RoundOutcome) -> None:
+        """Step 4: the round's tokens join the workers' prefix; its commit is prepared."""
         self.stats.count_round(outcome.gamma, outcome.accepted)
-        generated = len(self.generated) + len(outcome.tokens)
         if self.stats.first_token_s is None and outcome.tokens:
             self.stats.first_token_s = time.time() - self.started
+        outcome.version = len(self.committed)
+        outcome.stats = self.stats.as_dict(
+            len(self.prompt), self.produced + len(outcome.tokens), time.time() - self.started
+        )
+        self.committed = self.committed + outcome.tokens
+
+    async def commit_and_publish(self, outcome: RoundOutcome, round_no: int) -> None:
+        with span("specdec.commit", tokens=len(outcome.tokens), round=round_no):
+            await self.commit(outcome)
+        self.publish(outcome)
+
+    async def commit(self, outcome: RoundOutcome) -> None:
+        """Step 5: append the round's tokens in Redis (compare-and-set on the version)."""
         _, committed_reason = await self.ctx.store.commit(
             self.session_id,
             self.ctx.owner,
-            len(self.committed),
+            outcome.version,
             self.epoch,
             outcome.tokens,
             list(outcome.step.texts),
-            self.stats.as_dict(len(self.prompt), generated, time.time() - self.started),
+            outcome.stats,
             outcome.reason.name if outcome.reason is not None else "",
             outcome.tail,
             outcome.logprobs,
@@ -419,11 +481,10 @@ class SessionRun:
             self.output.finish(outcome.reason)
 
     def publish(self, outcome: RoundOutcome) -> None:
-        """Step 5: what Redis holds now reaches the streams."""
+        """Step 6: what Redis holds now reaches the streams."""
         self.generated += outcome.tokens
         self.texts += outcome.step.texts
         self.logprobs += outcome.logprobs or []
-        self.committed += outcome.tokens
         if outcome.reason is not None:
             self.tail = outcome.tail
         self.finish_reason = outcome.reason
@@ -436,7 +497,7 @@ class SessionRun:
     def record_round(
         self, outcome: RoundOutcome, proposal, result, marks, round_s: float, overlapped: bool
     ) -> None:
-        """Step 6: metrics, the policy's observations and the debug log. `overlapped`: the
+        """Step 7: metrics, the policy's observations and the debug log. `overlapped`: the
         round's candidates were drafted ahead, during the previous round's verify."""
         t0, t1, t2, ahead_wait_s = marks
         gamma, accepted = outcome.gamma, outcome.accepted

@@ -317,17 +317,24 @@ def test_cancel_through_another_coordinator(stack, stub):
         stream = stub.GenerateStream(
             request(gamma=2, max_new_tokens=400, session_id="cancel-remote"), timeout=60
         )
-        next(stream)
+        first = next(stream)
         replica.CancelSession(
             coordinator_pb2.CancelSessionRequest(session_id="cancel-remote"), timeout=10
         )
-        chunks = list(stream)
+        chunks = [first, *stream]
         assert chunks[-1].finish_reason == coordinator_pb2.FINISH_REASON_CANCELLED
         info = replica.GetSession(
             coordinator_pb2.GetSessionRequest(session_id="cancel-remote"), timeout=10
         )
         assert info.finish_reason == coordinator_pb2.FINISH_REASON_CANCELLED
-        assert len(info.generated_token_ids) < 2000
+        assert len(info.generated_token_ids) < 400
+        # the round verified while the cancelling commit was in flight is discarded: what
+        # was streamed is exactly what Redis holds
+        streamed = [t for c in chunks for t in c.token_ids]
+        assert streamed == list(info.generated_token_ids)
+        assert [c.offset for c in chunks[1:]] == list(
+            itertools.accumulate(len(c.token_ids) for c in chunks[:-1])
+        )
     finally:
         channel.close()
         child.signal(15)

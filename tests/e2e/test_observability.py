@@ -155,6 +155,17 @@ def children(spans: list[Span], parent: Span, name: str | None = None) -> list[S
     return [s for s in spans if s.parent_id == parent.span_id and (name is None or s.name == name)]
 
 
+def covered(parent: Span, spans: list[Span]) -> int:
+    """Nanoseconds of `parent` during which at least one of `spans` runs."""
+    cuts = sorted((max(s.start, parent.start), min(s.end, parent.end)) for s in spans)
+    total, reach = 0, parent.start
+    for start, end in cuts:
+        if end > max(start, reach):
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def within(child: Span, parent: Span) -> bool:
     return child.start >= parent.start - CLOCK_SLACK_NS and child.end <= parent.end + CLOCK_SLACK_NS
 
@@ -195,11 +206,23 @@ def test_one_request_is_one_trace_across_three_processes(observed, receiver):
     prefills = [s for s in spans if s.name == "specdec.prefill"]
     assert len(prefills) == 1 and prefills[0].parent_id == rounds[0].span_id
 
+    # each round's commit runs beside the next round (a child of the session's span): it
+    # starts after its round's verify, the commits land in order, the last inside its round
+    commits = sorted(children(spans, root, "specdec.commit"), key=lambda s: s.start)
+    assert [c.attributes["round"] for c in commits] == list(range(1, stats.rounds + 1))
+    assert sum(c.attributes["tokens"] for c in commits) == 24
+    for earlier, later in zip(commits, commits[1:]):
+        assert earlier.end <= later.start + CLOCK_SLACK_NS
+    assert within(commits[-1], rounds[-1])
     busy = total = 0
-    for r in rounds:
+    verifies = []
+    for r, commit in zip(rounds, commits):
         verify = children(spans, r, "target/Verify")
-        commit = children(spans, r, "specdec.commit")
-        assert len(verify) == 1 and len(commit) == 1, r.attributes
+        assert len(verify) == 1 and children(spans, r, "specdec.commit") == [], r.attributes
+        assert commit.start >= verify[0].end - CLOCK_SLACK_NS
+        verifies.append(verify[0])
+    for commit, next_verify in zip(commits, verifies[1:]):  # it overlaps the next round
+        assert commit.start < next_verify.end, (commit.attributes, next_verify.attributes)
         (server,) = children(spans, verify[0], "TargetService/Verify")
         assert server.service == "specdec-target-worker"
         (queue,) = children(spans, server, "queue")
@@ -217,10 +240,10 @@ def test_one_request_is_one_trace_across_three_processes(observed, receiver):
             assert propose == []
         parts = children(spans, r)
         assert sum(p.duration for p in parts) <= r.duration + CLOCK_SLACK_NS
-        busy += sum(p.duration for p in parts)
+        busy += covered(r, parts + commits)
         total += r.duration
     # the round's own work (choosing γ, checking answers, detokenising) is small: its
-    # children account for most of each round
+    # children and the commits it waits for cover most of each round
     assert busy >= 0.8 * total, (busy, total)
     assert sum(r.duration for r in rounds) <= root.duration
 
