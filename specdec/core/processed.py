@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.core.params import SamplingParams
+from specdec.core.reduce import chunked
 
 WINDOW = 64  # top values examined for every sampling row (more only where a nucleus needs it)
 WIDE = 2048  # up to this many values (a window), log Z is computed all in float64
@@ -121,12 +122,7 @@ CHUNK = 512  # float32 partial sums of this many values, added in float64 (`_sum
 def chunk_sums(x: torch.Tensor) -> torch.Tensor:
     """float32 sums of consecutive chunks of `CHUNK` values of each row of x [R, N] (views,
     no copy), the last chunk possibly shorter: [R, ⌈N / CHUNK⌉]."""
-    rows, n = x.shape
-    m = n - n % CHUNK
-    sums = [x[:, :m].reshape(rows, m // CHUNK, CHUNK).sum(dim=-1)]
-    if m < n:
-        sums.append(x[:, m:].sum(dim=-1, keepdim=True))
-    return torch.cat(sums, dim=1)
+    return chunked(x, torch.sum, CHUNK)
 
 
 def _sum64(x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from specdec.core.params import SamplingParams
 from specdec.core.processed import WINDOW, ProcessorParams, process
+from specdec.core.reduce import first_argmax
 from specdec.core.rng import Stream, uniform
 from specdec.core.sampling import sample_inverse_cdf
 
@@ -67,11 +68,11 @@ def propose_step(
     device = logits.device
     sampled = [b for b in range(batch) if not token_only[b]]
     if not sampled:
-        return Proposal(tokens=logits.argmax(dim=-1), dist_ids=None, dist_weights=None)
+        return Proposal(tokens=first_argmax(logits), dist_ids=None, dist_weights=None)
     tokens = torch.zeros(batch, dtype=torch.int64, device=device)
     if len(sampled) < batch:  # the argmax only where it is the candidate
         only = torch.tensor([b for b in range(batch) if token_only[b]], device=device)
-        tokens[only] = logits[only].argmax(dim=-1)
+        tokens[only] = first_argmax(logits[only])
     k = min(wire_top_k, vocab)
     idx = torch.tensor(sampled, device=device)
     pp = ProcessorParams.of([params[b] for b in sampled], device=device)

@@ -27,6 +27,7 @@ import torch
 
 from specdec.core.processed import CHUNK, Processed, ProcessorParams, chunk_sums, process
 from specdec.core.proposal import dense_q
+from specdec.core.reduce import first_argmax
 from specdec.core.rng import Stream, uniform
 from specdec.core.sampling import sample_inverse_cdf
 
@@ -179,7 +180,7 @@ def verify_logits(
     steps = torch.arange(gamma, device=device)
     g = greedy.nonzero().squeeze(1)
     if len(g):  # accepted while the candidate is the argmax; the next token is the argmax
-        best = (logits if len(g) == batch else logits[g]).argmax(dim=-1)  # [G, γ+1]
+        best = first_argmax(logits if len(g) == batch else logits[g])  # [G, γ+1]
         same = (candidates[g] == best[:, :gamma]) & (steps[None, :] < num[g, None])
         num_accepted[g] = same.long().cumprod(dim=1).sum(dim=1)
         next_tokens[g] = best.gather(1, num_accepted[g, None]).squeeze(1)
