@@ -1,10 +1,15 @@
 """Pipelined rounds (coordinator --pipeline): when a block drafted ahead may be used, what the
 policy predicts for such rounds, and the performance model of it."""
 
+import asyncio
+from types import SimpleNamespace
+
+import grpc
 import pytest
 
+from coordinator.links import BadAnswer
 from coordinator.policy import AdaptiveGamma, RoundTiming
-from coordinator.run import RoundOutcome, after_guess, block_ahead_holds
+from coordinator.run import Ahead, RoundOutcome, SessionRun, after_guess, block_ahead_holds
 from specdec.core.perf_model import expected_tokens, speedup_draft_ahead, speedup_sync
 from specdec.text.detok import StreamStep
 from specdec.v1 import common_pb2, draft_pb2
@@ -93,3 +98,83 @@ def test_speedup_draft_ahead_exact():
         speedup_sync(0.0, 2, 0.1, 1.0, 0.0)
     )
     assert speedup_draft_ahead(0.0, 2, 1.0, 1.0, 0.0, 0.0) < speedup_sync(0.0, 2, 1.0, 1.0, 0.0)
+
+
+# --- settle_ahead: what the coordinator does with the block drafted ahead ------------------
+
+
+class FakeLinks:
+    """The two things settle_ahead touches on SessionLinks: the attached draft and failover."""
+
+    def __init__(self, address: str):
+        self.draft = SimpleNamespace(worker=SimpleNamespace(address=address), synced=0)
+        self.failed_over: list[tuple[str, str, bool]] = []
+
+    async def draft_failed(self, address, exc, keep_gamma):
+        self.failed_over.append((address, type(exc).__name__, keep_gamma))
+        return True
+
+
+def session_run(address="draft-a:1", gamma=None) -> tuple[SessionRun, list]:
+    """A SessionRun with only what settle_ahead reads (the real method runs)."""
+    counted = []
+    run = object.__new__(SessionRun)
+    run.session_id = "s"
+    run.record = SimpleNamespace(gamma=gamma)
+    run.ctx = SimpleNamespace(count=lambda name, **labels: counted.append((name, labels)))
+    run.links = FakeLinks(address)
+    run.committed = list(range(20))
+    return run, counted
+
+
+def settle(run: SessionRun, answer, gamma: int, tokens: list[int], address="draft-a:1"):
+    async def go():
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(answer)  # propose_ahead returns a failure, it does not raise it
+        ahead = Ahead(future, gamma, address)
+        return await run.settle_ahead(ahead, outcome(gamma, gamma, tokens))
+
+    return asyncio.run(go())
+
+
+def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x")
+
+
+def test_a_block_that_holds_becomes_the_next_proposal_and_the_draft_is_in_sync():
+    run, counted = session_run()
+    answer = draft_pb2.ProposeResponse(candidate_ids=[14, 20, 21], token_only=True)
+    block = settle(run, answer, 3, [11, 12, 13, 14])
+    assert list(block.candidate_ids) == [20, 21]
+    assert run.links.draft.synced == 20 and counted == [("drafts_ahead", {"outcome": "hit"})]
+    miss = settle(run, answer, 3, [11, 12, 13, 15])  # the bonus was not the guess
+    assert miss is None and counted[-1] == ("drafts_ahead", {"outcome": "miss"})
+
+
+def test_a_block_from_a_draft_that_is_no_longer_attached_is_discarded():
+    run, counted = session_run(address="draft-b:1")  # failed over while the block was drafted
+    answer = draft_pb2.ProposeResponse(candidate_ids=[14, 20], token_only=True)
+    assert settle(run, answer, 3, [11, 12, 13, 14]) is None
+    assert counted == [("drafts_ahead", {"outcome": "miss"})] and run.links.draft.synced == 0
+
+
+@pytest.mark.parametrize(
+    ("error", "fails_over"),
+    [
+        (rpc_error(grpc.StatusCode.UNAVAILABLE), True),  # the draft died: as a failed Propose
+        (rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED), True),
+        (BadAnswer("inconsistent"), True),  # an answer that cannot be right: as a dead draft
+        (rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED), False),  # busy: the next Propose says
+        (rpc_error(grpc.StatusCode.INVALID_ARGUMENT), False),  # refused, not dead
+    ],
+)
+def test_a_draft_that_failed_while_drafting_ahead_is_failed_over_once(error, fails_over):
+    run, counted = session_run(gamma=3)
+    assert settle(run, error, 3, [11, 12, 13, 14]) is None
+    assert counted == [("drafts_ahead", {"outcome": "failed"})]
+    expected = [("draft-a:1", type(error).__name__, True)] if fails_over else []
+    assert run.links.failed_over == expected
+    # a failure of a draft the session already left is not failed over again
+    run, _ = session_run(address="draft-b:1")
+    settle(run, error, 3, [11, 12, 13, 14])
+    assert run.links.failed_over == []
