@@ -455,7 +455,7 @@ class SessionRun:
         outcome.stats = self.stats.as_dict(
             len(self.prompt), self.produced + len(outcome.tokens), time.time() - self.started
         )
-        self.committed = self.committed + outcome.tokens
+        self.committed += outcome.tokens  # in place: no call in flight holds the list
 
     async def commit_and_publish(self, outcome: RoundOutcome, round_no: int) -> None:
         with span("specdec.commit", tokens=len(outcome.tokens), round=round_no):

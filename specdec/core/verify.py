@@ -321,9 +321,8 @@ def _sample_chunks(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tens
     if q_ids is not None and bool(rejected.any()):
         zq = z.gather(1, q_ids)
         p_q = torch.where(zq >= tau[:, None], torch.exp(zq.double() - log_z[:, None]), 0.0)
-        delta = (
-            -torch.minimum(p_q, _normalised(q_weights)) * rejected[:, None]
-        )  # residual − p at the K tokens
+        # residual − p at the K tokens
+        delta = -torch.minimum(p_q, _normalised(q_weights)) * rejected[:, None]
         residual = mass.scatter_add(1, q_ids // CHUNK, delta).clamp_min_(0.0)
         # no residual mass is reachable only by rounding (p = q̃): sample p there
         has_mass = residual.sum(dim=-1) > 0
