@@ -1,6 +1,8 @@
 """Adaptive speculation length: the coordinator's γ when a request leaves it unset.
 
-Policy. Each round `AdaptiveGamma` picks the γ in [0, max_gamma] that maximises the expected
+Policy. Sessions that share verify passes use one γ, the batch plan (`BatchPlan`: measured
+rates per γ, held for windows of passes, with probes); a session alone, each round,
+`AdaptiveGamma` picks the γ in [0, max_gamma] that maximises the expected
 committed tokens per second of the WHOLE batch it shares, E(α̂, γ) / round(γ) - the synchronous
 form of the performance model (docs/architecture.md), S = E / (γ·c + v + ρ), in seconds. γ = 0 means plain
 decoding: one verify of one token, one committed token, no draft call. Every `explore_every`-th
@@ -125,6 +127,123 @@ class RoundTiming:
             raise ValueError(f"batch_size and batch_positions must be >= 1 in {self}")
 
 
+class BatchPlan:
+    """The γ every batched session uses, chosen from what rounds at each γ measured.
+
+    Sessions sharing verify passes must choose alike (a pass pads every block to the longest),
+    and the cost model's forecast of a whole batch is least reliable where it matters most:
+    under load the round time hangs on how sessions fall into passes (two groups alternating
+    on the target while the other drafts, a queue), which no affine fit of one pass sees. So
+    in batches γ is held for a window of `window_passes` verify passes, and each window's
+    rounds at that γ (those chosen `settle_passes` after it began, when every session has
+    switched) measure its mean round time. The plan is the γ with the best measured rate
+    E(α̂, γ) / round(γ) among those measured in the last `max_age` windows' passes.
+
+    Every `probe_every`-th window tries another γ, in turn: γ = 0 (speculation off), a
+    neighbour of the plan (γ ± 1: the one measured longest ago, towards the cost model's
+    choice on a tie), the cost model's choice among γ ≥ 1, a neighbour again; where a kind's
+    γ is the plan's own, a neighbour. Neighbours let the plan climb to the best γ; the
+    others are there because the rate need not be unimodal in γ: every γ > 0 pays the draft
+    call's fixed costs, so γ = 1 can be worse than both γ = 0 and γ = 3. A window closes only
+    after `min_rounds` measured rounds (or three windows' passes, at a very low load)."""
+
+    PROBES = ("off", "neighbour", "model", "neighbour")
+
+    def __init__(
+        self,
+        window_passes: int = 6,
+        settle_passes: int = 2,
+        probe_every: int = 4,
+        max_age: int = 8,
+        min_rounds: int = 4,
+    ) -> None:
+        if window_passes < 1 or not 0 <= settle_passes < window_passes:
+            raise ValueError("window_passes must be >= 1 and 0 <= settle_passes < window_passes")
+        if probe_every < 0 or max_age < 1 or min_rounds < 1:
+            raise ValueError("probe_every must be >= 0, max_age and min_rounds >= 1")
+        self.window_passes = window_passes
+        self.settle_passes = settle_passes
+        self.probe_every = probe_every
+        self.max_age = max_age
+        self.min_rounds = min_rounds
+        self.gamma: int | None = None  # this window's γ
+        self.best: int | None = None  # the best measured γ (what probes return to)
+        self.window = 0  # this window's number
+        self.start = 0  # the verify pass it began at
+        self.count, self.total_s = 0, 0.0  # its measured rounds
+        self.measured: dict[int, tuple[float, int]] = {}  # γ -> (mean round s, at pass)
+        self.passes = 0  # the latest verify pass number seen
+        self._since_probe = probe_every - 1  # the first probe after the first window
+        self._probes = 0
+
+    def current(self, passes: int, alpha: float, max_gamma: int, model_best) -> int:
+        """This window's γ (a new window's when the current one is complete).
+        `model_best(low)` is the cost model's choice among γ ≥ low: the first plan, and
+        where probes look."""
+        self.passes = passes
+        if self.gamma is None:
+            self.best = model_best(0)
+            self._begin(passes, self.best)
+        elif passes >= self.start + self.window_passes and (
+            self.count >= self.min_rounds or passes >= self.start + 3 * self.window_passes
+        ):
+            self._close(passes, alpha, max_gamma, model_best)
+        return min(self.gamma, max_gamma)
+
+    def ticket(self, passes: int) -> tuple[int, bool]:
+        """What a session choosing now records, to report its round with: (window, whether
+        its round counts towards the window's measurement)."""
+        return self.window, passes >= self.start + self.settle_passes
+
+    def observe(self, ticket: tuple[int, bool], gamma: int, round_s: float) -> None:
+        window, settled = ticket
+        if settled and window == self.window and gamma == self.gamma:
+            self.count += 1
+            self.total_s += round_s
+
+    def rate(self, gamma: int, alpha: float) -> float | None:
+        """Measured tokens per second of a session at γ; None if not measured lately."""
+        entry = self.measured.get(gamma)
+        if entry is None or self.passes - entry[1] > self.max_age * self.window_passes:
+            return None
+        return expected_tokens(alpha, gamma) / max(entry[0], 1e-12)
+
+    def _begin(self, passes: int, gamma: int) -> None:
+        self.window += 1
+        self.gamma, self.start, self.count, self.total_s = gamma, passes, 0, 0.0
+
+    def _close(self, passes: int, alpha: float, max_gamma: int, model_best) -> None:
+        if self.count >= self.min_rounds:
+            self.measured[self.gamma] = (self.total_s / self.count, passes)
+        rates = {g: r for g in range(max_gamma + 1) if (r := self.rate(g, alpha)) is not None}
+        if rates:  # ties go to the smaller γ
+            top = max(rates.values())
+            self.best = min(g for g, r in rates.items() if r >= top * (1 - 1e-9))
+        best = min(self.best, max_gamma)
+        self._since_probe += 1
+        if self.probe_every == 0 or self._since_probe < self.probe_every or max_gamma == 0:
+            self._begin(passes, best)
+            return
+        self._since_probe = 0
+        kind = self.PROBES[self._probes % len(self.PROBES)]
+        self._probes += 1
+        probe = {"off": 0, "model": model_best(1)}.get(kind, best)
+        if probe == best:  # a neighbour: the one measured longest ago, else towards the model
+            towards = model_best(0)
+            sides = [g for g in (best - 1, best + 1) if 0 <= g <= max_gamma]
+            probe = min(
+                sides,
+                key=lambda g: (self.measured.get(g, (0.0, -1))[1], (g > best) != (towards > best)),
+            )
+        self._begin(passes, min(probe, max_gamma))
+
+    def describe(self, alpha: float) -> str:
+        rates = " ".join(
+            f"{g}:{r:.1f}" for g in sorted(self.measured) if (r := self.rate(g, alpha)) is not None
+        )
+        return f"plan γ={self.gamma} best={self.best} window={self.window} measured {rates}"
+
+
 class CostModel:
     """Timing estimates shared by every session of one coordinator (see the module docstring)."""
 
@@ -146,7 +265,7 @@ class CostModel:
         self.acceptance = AcceptanceEstimate(0.99)  # over all sessions: a session's prior
         self._last_pass: dict[str, int] = {}  # target worker -> last verify pass fitted
         self.passes = 0  # verify passes fitted so far
-        self.batch_plan: tuple[int, int] | None = None  # (passes, γ) every batched session uses
+        self.plan = BatchPlan()  # the γ every batched session uses
 
     def alpha(self, prior: float, weight: float = 4.0) -> float:
         """α̂ over every session's recent speculative rounds, shrunk towards `prior`."""
@@ -223,6 +342,7 @@ class AdaptiveGamma:
         self._zero_rounds = 0  # rounds at γ = 0 since the last probe from 0
         self._zero_period = explore_every  # rounds between probes from 0 (doubling, capped)
         self.pipeline = "off"  # on | auto | off: rounds draft the next block during a verify
+        self._ticket: tuple[int, bool] | None = None  # the batch plan's, for the next round
 
     @property
     def alpha(self) -> float:
@@ -294,15 +414,18 @@ class AdaptiveGamma:
     def best_gamma(self) -> int:
         """The γ in [0, max_gamma] maximising `expected_rate`; ties go to the smaller γ.
 
-        In batches the first session to plan after a new verify pass fixes γ for every
-        session until the next pass: the estimates move a little with each session's own
-        observations, and near a tie that would otherwise mix γ within one pass."""
+        In batches, the batch plan's best measured γ instead (`BatchPlan`), one for every
+        session: the cost model's forecast of a whole batch misses how sessions fall into
+        passes, and per-session choices would mix γ within one pass."""
         if not self.batched():
             return self._argmax()
-        plan = self.costs.batch_plan
-        if plan is None or plan[0] != self.costs.passes:
-            plan = self.costs.batch_plan = (self.costs.passes, self._argmax())
-        return min(plan[1], self.max_gamma)
+        self._plan()
+        return min(self.costs.plan.best, self.max_gamma)
+
+    def _plan(self) -> int:
+        """The batch plan's γ for this window (`BatchPlan`)."""
+        c = self.costs
+        return c.plan.current(c.passes, self.planning_alpha(), self.max_gamma, self._argmax)
 
     def _argmax(self, low: int = 0) -> int:
         """The γ in [low, max_gamma] with the largest `expected_rate` (ties: the smaller)."""
@@ -315,9 +438,15 @@ class AdaptiveGamma:
         return best
 
     def choose(self) -> int:
-        """γ for the next round: `best_gamma`, or on exploration rounds a probe next to it."""
-        best = self.best_gamma()
+        """γ for the next round: `best_gamma`, or on exploration rounds a probe next to it;
+        in batches the plan's γ for this window (which is the plan's probe in some)."""
         self._calls += 1
+        self._ticket = None
+        if self.batched():
+            gamma = self._plan()
+            self._ticket = self.costs.plan.ticket(self.costs.passes)
+            return gamma
+        best = self._argmax()
         probe_again, self._probe_again = self._probe_again, False
         self._probing_from_zero = False
         if best == 0:
@@ -376,6 +505,7 @@ class AdaptiveGamma:
             f"draft step={ms(c.draft_step.get(0.0))} ms queue d/v={c.draft_queue.get(0.0):.2f}/"
             f"{c.verify_queue.get(0.0):.2f} net d/v={ms(c.draft_net.get(0.0))}/"
             f"{ms(c.verify_net.get(0.0))} ms rest={ms(c.rest.get(0.0))} ms; tokens/s by γ {rates}"
+            + (f"; {c.plan.describe(self.planning_alpha())}" if self.batched() else "")
         )
 
     def observe(self, gamma: int, accepted: int, rejected: bool, timing: RoundTiming) -> None:
@@ -385,6 +515,9 @@ class AdaptiveGamma:
                 f"inconsistent round: gamma={gamma}, accepted={accepted}, rejected={rejected}"
             )
         self.costs.observe(gamma, timing)
+        if self._ticket is not None:
+            self.costs.plan.observe(self._ticket, gamma, timing.round_s)
+            self._ticket = None
         if gamma > 0:
             self._acceptance.observe(accepted, rejected)
             self.costs.acceptance.observe(accepted, rejected)

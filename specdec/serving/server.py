@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import signal
 
@@ -51,9 +50,9 @@ class Server:
             *KEEPALIVE,
         ]
         self.server = grpc.aio.server(options=options)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
+        self.health = Health(["", *self.service_names])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflection:  # off by default: it hands any caller the whole API surface
             grpc_reflection.enable_server_reflection(
                 [*self.service_names, health.SERVICE_NAME, grpc_reflection.SERVICE_NAME],
@@ -102,24 +101,71 @@ class Server:
         return self.port
 
     async def set_serving(self, serving: bool) -> None:
+        await self.health.set(serving)
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def drain_and_stop(self, grace_s: float) -> None:
+        """Health NOT_SERVING (Watch streams get it, then end OK), let in-flight calls finish
+        within the grace period, stop."""
+        await self.health.close()
+        await self.server.stop(grace_s)
+
+
+class Health(health_pb2_grpc.HealthServicer):
+    """The standard health service (grpc.health.v1) over a fixed set of service names, all
+    with one status. Unlike grpc's reference servicer, a Watch stream ends (status OK) once
+    the server drains and the watcher has seen NOT_SERVING: the reference's streams stay open
+    until the grace period cancels them, which holds up every drain and logs the
+    cancellation as an error."""
+
+    def __init__(self, names: list[str]):
+        self.status = dict.fromkeys(names, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.closed = False
+        self.changed = asyncio.Condition()
+
+    async def set(self, serving: bool) -> None:
+        """Every name SERVING or NOT_SERVING; no effect once `close` has run."""
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in ["", *self.service_names]:
-            result = self.health.set(name, status)
-            if inspect.isawaitable(result):
-                await result
+        async with self.changed:
+            if self.closed or all(s == status for s in self.status.values()):
+                return
+            self.status = dict.fromkeys(self.status, status)
+            self.changed.notify_all()
 
-    async def start(self) -> None:
-        await self.set_serving(False)
-        await self.server.start()
+    async def close(self) -> None:
+        """NOT_SERVING for good; every Watch stream sends it and ends."""
+        await self.set(False)
+        async with self.changed:
+            self.closed = True
+            self.changed.notify_all()
 
-    async def drain_and_stop(self, grace_s: float) -> None:
-        """Health NOT_SERVING, let in-flight calls finish within the grace period, stop."""
-        await self.set_serving(False)
-        await self.server.stop(grace_s)
+    async def Check(self, request, context):
+        if request.service not in self.status:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+        return health_pb2.HealthCheckResponse(status=self.status[request.service])
+
+    async def Watch(self, request, context):
+        unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        sent = None
+        while True:
+            async with self.changed:
+                await self.changed.wait_for(
+                    lambda last=sent: (
+                        self.closed or self.status.get(request.service, unknown) != last
+                    )
+                )
+                status, closed = self.status.get(request.service, unknown), self.closed
+            if status != sent:  # written outside the lock: a slow watcher holds up nobody
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                sent = status
+            if closed:
+                return
 
 
 class Malformed:

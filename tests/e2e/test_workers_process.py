@@ -201,7 +201,7 @@ def test_workers_serve_register_and_drain_on_sigterm(model_dirs, redis_url):
             assert elapsed < GRACE_S, f"{role} took {elapsed:.1f}s to drain"
             assert watches[role].not_serving.is_set(), watches[role].statuses
             assert registered(redis_url, role) == [], f"{role} is still registered"
-            assert "Traceback" not in worker.logs()
+            assert "Traceback" not in worker.logs(), worker.logs()
     finally:
         for channel in channels.values():
             channel.close()
