@@ -44,10 +44,13 @@ everything else is free, so the first rounds use a moderate γ.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from specdec.core.acceptance import AcceptanceEstimate
 from specdec.core.perf_model import expected_tokens
+
+FIRST_ROUNDS = 2  # a session's first rounds, which the batch plan does not measure
 
 
 class _Ewma:
@@ -135,27 +138,32 @@ class BatchPlan:
     under load the round time hangs on how sessions fall into passes (two groups alternating
     on the target while the other drafts, a queue), which no affine fit of one pass sees. So
     in batches γ is held for a window of `window_passes` verify passes, and each window's
-    rounds at that γ (those chosen `settle_passes` after it began, when every session has
-    switched) measure its mean round time. The plan is the γ with the best measured rate
-    E(α̂, γ) / round(γ) among those measured in the last `max_age` windows' passes.
+    rounds at that γ measure its round time: the median (a new session's prefill makes a few
+    rounds many times longer) of the rounds chosen `settle_passes` after the window began,
+    when every session has switched, leaving out each session's first rounds. The plan is the
+    γ with the best measured rate E(α̂, γ) / round(γ) among those measured in the last
+    `max_age` windows' passes; another γ replaces it only when `margin` better.
 
     Every `probe_every`-th window tries another γ, in turn: γ = 0 (speculation off), a
-    neighbour of the plan (γ ± 1: the one measured longest ago, towards the cost model's
-    choice on a tie), the cost model's choice among γ ≥ 1, a neighbour again; where a kind's
-    γ is the plan's own, a neighbour. Neighbours let the plan climb to the best γ; the
-    others are there because the rate need not be unimodal in γ: every γ > 0 pays the draft
-    call's fixed costs, so γ = 1 can be worse than both γ = 0 and γ = 3. A window closes only
-    after `min_rounds` measured rounds (or three windows' passes, at a very low load)."""
+    neighbour of the plan, the cost model's choice among γ ≥ 1, a neighbour again. Where a
+    kind's γ is the plan's own or was measured lately, it is a neighbour instead: γ ± 1, the
+    one measured longest ago (towards the cost model's choice on a tie). A probe that wins is
+    followed at once by one more step the same way (unless that γ measured worse lately), so
+    the plan climbs a step a window. Neighbours let the plan climb to the best γ; the others
+    are there because the rate need not be unimodal in γ: every γ > 0 pays the draft call's
+    fixed costs, so γ = 1 can be worse than both γ = 0 and γ = 3. A window closes only after
+    `min_rounds` measured rounds (or three windows' passes, at a very low load)."""
 
     PROBES = ("off", "neighbour", "model", "neighbour")
 
     def __init__(
         self,
-        window_passes: int = 6,
+        window_passes: int = 8,
         settle_passes: int = 2,
-        probe_every: int = 4,
-        max_age: int = 8,
+        probe_every: int = 6,
+        max_age: int = 12,
         min_rounds: int = 4,
+        margin: float = 0.02,
     ) -> None:
         if window_passes < 1 or not 0 <= settle_passes < window_passes:
             raise ValueError("window_passes must be >= 1 and 0 <= settle_passes < window_passes")
@@ -166,15 +174,17 @@ class BatchPlan:
         self.probe_every = probe_every
         self.max_age = max_age
         self.min_rounds = min_rounds
+        self.margin = margin
         self.gamma: int | None = None  # this window's γ
         self.best: int | None = None  # the best measured γ (what probes return to)
         self.window = 0  # this window's number
         self.start = 0  # the verify pass it began at
-        self.count, self.total_s = 0, 0.0  # its measured rounds
+        self.times: list[float] = []  # its measured rounds' times
         self.measured: dict[int, tuple[float, int]] = {}  # γ -> (mean round s, at pass)
         self.passes = 0  # the latest verify pass number seen
         self._since_probe = probe_every - 1  # the first probe after the first window
         self._probes = 0
+        self._probe_from: int | None = None  # the best γ when this window is a probe
 
     def current(self, passes: int, alpha: float, max_gamma: int, model_best) -> int:
         """This window's γ (a new window's when the current one is complete).
@@ -185,7 +195,7 @@ class BatchPlan:
             self.best = model_best(0)
             self._begin(passes, self.best)
         elif passes >= self.start + self.window_passes and (
-            self.count >= self.min_rounds or passes >= self.start + 3 * self.window_passes
+            len(self.times) >= self.min_rounds or passes >= self.start + 3 * self.window_passes
         ):
             self._close(passes, alpha, max_gamma, model_best)
         return min(self.gamma, max_gamma)
@@ -198,8 +208,7 @@ class BatchPlan:
     def observe(self, ticket: tuple[int, bool], gamma: int, round_s: float) -> None:
         window, settled = ticket
         if settled and window == self.window and gamma == self.gamma:
-            self.count += 1
-            self.total_s += round_s
+            self.times.append(round_s)
 
     def rate(self, gamma: int, alpha: float) -> float | None:
         """Measured tokens per second of a session at γ; None if not measured lately."""
@@ -210,16 +219,28 @@ class BatchPlan:
 
     def _begin(self, passes: int, gamma: int) -> None:
         self.window += 1
-        self.gamma, self.start, self.count, self.total_s = gamma, passes, 0, 0.0
+        self.gamma, self.start, self.times = gamma, passes, []
 
     def _close(self, passes: int, alpha: float, max_gamma: int, model_best) -> None:
-        if self.count >= self.min_rounds:
-            self.measured[self.gamma] = (self.total_s / self.count, passes)
+        if len(self.times) >= self.min_rounds:
+            self.measured[self.gamma] = (statistics.median(self.times), passes)
         rates = {g: r for g in range(max_gamma + 1) if (r := self.rate(g, alpha)) is not None}
-        if rates:  # ties go to the smaller γ
+        if rates:  # ties go to the smaller γ; another γ must beat the plan's by `margin`
             top = max(rates.values())
-            self.best = min(g for g, r in rates.items() if r >= top * (1 - 1e-9))
+            best = min(g for g, r in rates.items() if r >= top * (1 - 1e-9))
+            held = rates.get(self.best)
+            if held is None or rates[best] > held * (1 + self.margin):
+                self.best = best
         best = min(self.best, max_gamma)
+        if self._probe_from is not None and best == self.gamma != self._probe_from:
+            # the probe won: go on one more step the same way, unless measured worse lately
+            step = 1 if best > self._probe_from else -1
+            further, here = best + step, rates.get(best, 0.0)
+            if 0 <= further <= max_gamma and rates.get(further, here + 1) > here:
+                self._since_probe = 0
+                self._probe(passes, further, best)
+                return
+        self._probe_from = None
         self._since_probe += 1
         if self.probe_every == 0 or self._since_probe < self.probe_every or max_gamma == 0:
             self._begin(passes, best)
@@ -228,14 +249,20 @@ class BatchPlan:
         kind = self.PROBES[self._probes % len(self.PROBES)]
         self._probes += 1
         probe = {"off": 0, "model": model_best(1)}.get(kind, best)
-        if probe == best:  # a neighbour: the one measured longest ago, else towards the model
+        if probe == best or probe in rates:
+            # the plan's own or measured lately: a neighbour instead, the one measured longest
+            # ago (towards the cost model's choice on a tie)
             towards = model_best(0)
             sides = [g for g in (best - 1, best + 1) if 0 <= g <= max_gamma]
             probe = min(
                 sides,
                 key=lambda g: (self.measured.get(g, (0.0, -1))[1], (g > best) != (towards > best)),
             )
-        self._begin(passes, min(probe, max_gamma))
+        self._probe(passes, min(probe, max_gamma), best)
+
+    def _probe(self, passes: int, gamma: int, best: int) -> None:
+        self._begin(passes, gamma)
+        self._probe_from = best
 
     def describe(self, alpha: float) -> str:
         rates = " ".join(
@@ -444,7 +471,9 @@ class AdaptiveGamma:
         self._ticket = None
         if self.batched():
             gamma = self._plan()
-            self._ticket = self.costs.plan.ticket(self.costs.passes)
+            window, settled = self.costs.plan.ticket(self.costs.passes)
+            # a session's first rounds (its prompt's prefill, joining a batch) do not count
+            self._ticket = window, settled and self._calls > FIRST_ROUNDS
             return gamma
         best = self._argmax()
         probe_again, self._probe_again = self._probe_again, False

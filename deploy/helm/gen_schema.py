@@ -194,6 +194,7 @@ def worker_config(role: str) -> dict[str, Schema]:
         "maxSpeculativeTokens": integer(1, nullable=True),
         "maxBatchSize": integer(1, nullable=True),
         "maxWaitMs": number(nullable=True),
+        "maxInFlight": integer(1, nullable=True),
         "heartbeatS": number(positive=True, nullable=True),
         "graceS": number(nullable=True),
     }

@@ -240,6 +240,7 @@ def test_env_carries_configured_flags(chart):
         "targetWorker": {
             "config": {
                 "maxBatchSize": 24,
+                "maxInFlight": 96,
                 "maxKvMb": 1048576,
                 "dtype": "bfloat16",
                 "device": "cuda:1",
@@ -260,6 +261,8 @@ def test_env_carries_configured_flags(chart):
     assert draft["SPECDEC_MAX_BATCH_SIZE"] == "3"
     target = env(objects, "target-worker")
     assert target["SPECDEC_MAX_BATCH_SIZE"] == "24"
+    assert target["SPECDEC_MAX_IN_FLIGHT"] == "96"
+    assert draft["SPECDEC_MAX_IN_FLIGHT"] == "256"  # the chart's default, the program's too
     assert target["SPECDEC_MAX_KV_MB"] == "1048576"  # not "1.048576e+06"
     assert target["SPECDEC_DTYPE"] == "bfloat16"
     assert target["SPECDEC_DEVICE"] == "cuda:1"

@@ -377,8 +377,9 @@ def test_the_batch_plan_climbs_to_the_best_gamma_where_the_model_is_right():
 def test_batch_plan_windows_measure_and_probe():
     """Windows of 4 passes, round times by γ known, a forecast that always says γ = 4 (wrong:
     γ = 2 is best). The plan starts at the forecast, probes every other window - γ = 0, a
-    neighbour (the one measured longest ago), the forecast's γ, a neighbour - and moves to
-    the best measured γ. Rounds chosen before a window settled, at another γ or in another
+    neighbour (the one measured longest ago), the forecast's γ, a neighbour; a neighbour
+    instead where that γ was measured lately - goes on the same way after a probe that
+    wins, and moves to the best measured γ. Rounds chosen before a window settled, at another γ or in another
     window do not count."""
     round_s = {0: 0.10, 1: 0.12, 2: 0.135, 3: 0.16, 4: 0.2}
     rate = {g: expected_tokens(0.7, g) / t for g, t in round_s.items()}
@@ -388,18 +389,23 @@ def test_batch_plan_windows_measure_and_probe():
     for _ in range(12):
         gamma = plan.current(passes, 0.7, 4, lambda low: 4)
         windows.append(gamma)
-        plan.observe(plan.ticket(passes), gamma, 9.0)  # chosen before the window settled
+        # each kind of round that must not count outnumbers those that do (a median)
+        for _ in range(7):
+            plan.observe(plan.ticket(passes), gamma, 9.0)  # chosen before the window settled
+            plan.observe((plan.window - 1, True), gamma, 9.0)  # a previous window's
+            plan.observe((plan.window, False), gamma, 9.0)  # a session's first rounds
         for step in range(1, 4):  # the window's settled passes, 2 rounds each
             ticket = plan.ticket(passes + step)
             for _ in range(2):
                 plan.observe(ticket, gamma, round_s[gamma])
-            plan.observe(ticket, gamma + 1, 9.0)  # another γ (a clamped round)
-        plan.observe((plan.window - 1, True), gamma, 9.0)  # a previous window's
+                plan.observe(ticket, gamma + 1, 9.0)  # another γ (a clamped round)
+                plan.observe(ticket, gamma + 1, 9.0)
         passes += 4
-    # 4; probe 0 (worse); 4; probe its only neighbour 3 (better: the plan); probe the
-    # forecast's 4 (worse); 3; probe the neighbour never measured, 2 (better: the plan);
-    # probe 0; 2; probe the neighbour never measured, 1
-    assert windows == [4, 0, 4, 3, 3, 4, 3, 2, 2, 0, 2, 1]
+    # 4; probe 0 (worse); 4; probe its only neighbour 3 (better), so on at once to 2
+    # (better) and 1 (worse): 2 is the plan; the forecast's 4 was measured lately, so a
+    # neighbour instead, 3 (measured longer ago than 1; worse); 2; the neighbour 1 (worse); 2;
+    # 0 was measured lately, so a neighbour instead, 3
+    assert windows == [4, 0, 4, 3, 2, 1, 2, 3, 2, 1, 2, 3]
     assert plan.best == 2
     assert plan.rate(2, 0.7) == pytest.approx(rate[2])  # only the rounds that count
     plan.passes += 101 * 4  # long ago: no longer counts
