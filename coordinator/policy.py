@@ -152,7 +152,9 @@ class BatchPlan:
     the plan climbs a step a window. Neighbours let the plan climb to the best γ; the others
     are there because the rate need not be unimodal in γ: every γ > 0 pays the draft call's
     fixed costs, so γ = 1 can be worse than both γ = 0 and γ = 3. A window closes only after
-    `min_rounds` measured rounds (or three windows' passes, at a very low load)."""
+    `min_rounds` measured rounds (or three windows' passes, at a very low load). When nothing
+    was measured lately (at the start, after a pause) the plan starts again from the forecast,
+    and its first 3 windows each end with a probe."""
 
     PROBES = ("off", "neighbour", "model", "neighbour")
 
@@ -185,6 +187,7 @@ class BatchPlan:
         self._since_probe = probe_every - 1  # the first probe after the first window
         self._probes = 0
         self._probe_from: int | None = None  # the best γ when this window is a probe
+        self._started = 1  # the window the plan last started afresh in
 
     def current(self, passes: int, alpha: float, max_gamma: int, model_best) -> int:
         """This window's γ (a new window's when the current one is complete).
@@ -231,6 +234,8 @@ class BatchPlan:
             held = rates.get(self.best)
             if held is None or rates[best] > held * (1 + self.margin):
                 self.best = best
+        else:  # nothing measured lately (a new load after a pause): start from the forecast
+            self.best, self._started = model_best(0), self.window
         best = min(self.best, max_gamma)
         if self._probe_from is not None and best == self.gamma != self._probe_from:
             # the probe won: go on one more step the same way, unless measured worse lately
@@ -242,7 +247,9 @@ class BatchPlan:
                 return
         self._probe_from = None
         self._since_probe += 1
-        if self.probe_every == 0 or self._since_probe < self.probe_every or max_gamma == 0:
+        # in the first 3 windows of a (re)start every window probes
+        every = self.probe_every if self.window - self._started >= 3 else 1
+        if self.probe_every == 0 or self._since_probe < every or max_gamma == 0:
             self._begin(passes, best)
             return
         self._since_probe = 0

@@ -376,7 +376,8 @@ def test_the_batch_plan_climbs_to_the_best_gamma_where_the_model_is_right():
 
 def test_batch_plan_windows_measure_and_probe():
     """Windows of 4 passes, round times by γ known, a forecast that always says γ = 4 (wrong:
-    γ = 2 is best). The plan starts at the forecast, probes every other window - γ = 0, a
+    γ = 2 is best). The plan starts at the forecast, probes after each of its first 3 windows,
+    then every other window - γ = 0, a
     neighbour (the one measured longest ago), the forecast's γ, a neighbour; a neighbour
     instead where that γ was measured lately - goes on the same way after a probe that
     wins, and moves to the best measured γ. Rounds chosen before a window settled, at another γ or in another
@@ -401,11 +402,11 @@ def test_batch_plan_windows_measure_and_probe():
                 plan.observe(ticket, gamma + 1, 9.0)  # another γ (a clamped round)
                 plan.observe(ticket, gamma + 1, 9.0)
         passes += 4
-    # 4; probe 0 (worse); 4; probe its only neighbour 3 (better), so on at once to 2
-    # (better) and 1 (worse): 2 is the plan; the forecast's 4 was measured lately, so a
-    # neighbour instead, 3 (measured longer ago than 1; worse); 2; the neighbour 1 (worse); 2;
-    # 0 was measured lately, so a neighbour instead, 3
-    assert windows == [4, 0, 4, 3, 2, 1, 2, 3, 2, 1, 2, 3]
+    # 4; the first 3 windows each end with a probe: 0 (worse), the only
+    # neighbour 3 (better), so on at once to 2 (better) and 1 (worse): 2 is the plan; the
+    # forecast's 4 was measured lately, so a neighbour instead, 3 (measured longer ago than 1;
+    # worse); 2; the neighbour 1 (worse); 2; 0 was measured lately, so a neighbour, 3; 2
+    assert windows == [4, 0, 3, 2, 1, 2, 3, 2, 1, 2, 3, 2]
     assert plan.best == 2
     assert plan.rate(2, 0.7) == pytest.approx(rate[2])  # only the rounds that count
     plan.passes += 101 * 4  # long ago: no longer counts
