@@ -198,14 +198,19 @@ class Sessions:
         while True:
             if run is not None:
                 if len(run.generated) > offset:
-                    yield Update(
+                    tokens = run.generated[offset:]
+                    update = Update(
                         session_id,
                         offset,
-                        run.generated[offset:],
+                        tokens,
                         "".join(run.texts[offset:]),
                         logprobs=run.logprobs[offset:],
                     )
-                    offset = len(run.generated)
+                    # advanced before the yield: while the chunk is written the run may
+                    # publish more, which the next update must start with, not skip
+                    offset += len(tokens)
+                    yield update
+                    continue
                 if run.finish_reason is not None and offset >= len(run.generated):
                     yield Update(
                         session_id, offset, [], run.tail, run.finish_reason, run.stats_dict()
