@@ -130,6 +130,7 @@ class RoundTiming:
             raise ValueError(f"batch_size and batch_positions must be >= 1 in {self}")
 
 
+@dataclass
 class BatchPlan:
     """The γ every batched session uses, chosen from what rounds at each γ measured.
 
@@ -158,33 +159,26 @@ class BatchPlan:
 
     PROBES = ("off", "neighbour", "model", "neighbour")
 
-    def __init__(
-        self,
-        window_passes: int = 8,
-        settle_passes: int = 2,
-        probe_every: int = 6,
-        max_age: int = 12,
-        min_rounds: int = 4,
-        margin: float = 0.02,
-    ) -> None:
-        if window_passes < 1 or not 0 <= settle_passes < window_passes:
+    window_passes: int = 8
+    settle_passes: int = 2
+    probe_every: int = 6
+    max_age: int = 12
+    min_rounds: int = 4
+    margin: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.window_passes < 1 or not 0 <= self.settle_passes < self.window_passes:
             raise ValueError("window_passes must be >= 1 and 0 <= settle_passes < window_passes")
-        if probe_every < 0 or max_age < 1 or min_rounds < 1:
-            raise ValueError("probe_every must be >= 0, max_age and min_rounds >= 1")
-        self.window_passes = window_passes
-        self.settle_passes = settle_passes
-        self.probe_every = probe_every
-        self.max_age = max_age
-        self.min_rounds = min_rounds
-        self.margin = margin
+        if self.probe_every < 0 or self.max_age < 1 or self.min_rounds < 1 or self.margin < 0:
+            raise ValueError("probe_every and margin must be >= 0, max_age and min_rounds >= 1")
         self.gamma: int | None = None  # this window's γ
         self.best: int | None = None  # the best measured γ (what probes return to)
         self.window = 0  # this window's number
         self.start = 0  # the verify pass it began at
         self.times: list[float] = []  # its measured rounds' times
-        self.measured: dict[int, tuple[float, int]] = {}  # γ -> (mean round s, at pass)
+        self.measured: dict[int, tuple[float, int]] = {}  # γ -> (median round s, at pass)
         self.passes = 0  # the latest verify pass number seen
-        self._since_probe = probe_every - 1  # the first probe after the first window
+        self._since_probe = self.probe_every - 1  # the first probe after the first window
         self._probes = 0
         self._probe_from: int | None = None  # the best γ when this window is a probe
         self._started = 1  # the window the plan last started afresh in
@@ -265,7 +259,7 @@ class BatchPlan:
                 sides,
                 key=lambda g: (self.measured.get(g, (0.0, -1))[1], (g > best) != (towards > best)),
             )
-        self._probe(passes, min(probe, max_gamma), best)
+        self._probe(passes, probe, best)
 
     def _probe(self, passes: int, gamma: int, best: int) -> None:
         self._begin(passes, gamma)

@@ -140,8 +140,8 @@ class Health(health_pb2_grpc.HealthServicer):
 
     async def close(self) -> None:
         """NOT_SERVING for good; every Watch stream sends it and ends."""
-        await self.set(False)
         async with self.changed:
+            self.status = dict.fromkeys(self.status, health_pb2.HealthCheckResponse.NOT_SERVING)
             self.closed = True
             self.changed.notify_all()
 
