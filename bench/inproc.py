@@ -41,22 +41,26 @@ class ScatteredHead(torch.nn.Module):
         return out
 
 
-def load(model_dir: str):
+def load(model_dir: str, linear_kernel: str = "default"):
+    """A model as HF code runs it; `linear_kernel` as the workers' flag (kernels.pack_linears)."""
     from transformers import AutoModelForCausalLM
 
+    from specdec.engine.kernels import pack_linears
     from specdec.engine.model import head_token_ids
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = head_token_ids(model_dir, int(model.config.vocab_size))
     if ids is not None:  # the same checked head the draft worker serves
         model.set_output_embeddings(ScatteredHead(model.get_output_embeddings(), ids))
+    pack_linears(model, linear_kernel)
     return model
 
 
 @torch.inference_mode()
 def measure_costs(job: dict) -> dict:
     """Median ms of a target step, a draft step and target verifies of γ+1 tokens."""
-    target, draft = load(job["target_model"]), load(job["draft_model"])
+    kernel = job.get("linear_kernel", "default")
+    target, draft = load(job["target_model"], kernel), load(job["draft_model"], kernel)
     context = torch.tensor([job["context"]])  # [1, ctx]
     max_gamma, reps = job["max_gamma"], job["reps"]
     cases = [("target_step", target, 1), ("draft_step", draft, 1)]
@@ -164,7 +168,8 @@ def run_peers(job: dict) -> dict:
     """
     from bench.interference import CpuWatch
 
-    target, draft = load(job["target_model"]), load(job["draft_model"])
+    kernel = job.get("linear_kernel", "default")
+    target, draft = load(job["target_model"], kernel), load(job["draft_model"], kernel)
     no_eos(target, draft)
     pad_id = int(job["pad_token_id"])
     peers = (("hf_target", None), ("hf_assisted", draft))

@@ -82,6 +82,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="repeat a measurement during which other processes used more of the CPU than this",
     )
     parser.add_argument("--retries", type=int, default=2, help="repeats of a disturbed measurement")
+    parser.add_argument(
+        "--linear-kernel",
+        choices=["auto", "packed", "default"],
+        default=env("SPECDEC_LINEAR_KERNEL", "auto"),
+        help="the stack's workers' --linear-kernel, also used for the per-token costs",
+    )
+    parser.add_argument(
+        "--hf-linear-kernel",
+        choices=["default", "packed"],
+        default="default",
+        help="the HF peers' linear layers: default = torch's own, as a user runs HF; "
+        "packed = the stack's prepacked oneDNN kernels, to separate kernels from serving",
+    )
     args = parser.parse_args(argv)
     args.prompts = args.prompts or (4 if args.quick else 16)
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
@@ -298,6 +311,7 @@ def bench_pair(args, argv) -> None:
             "draft_model": args.draft_model,
             "context": context,
             "max_gamma": 8,
+            "linear_kernel": args.linear_kernel,
             "reps": 30 if args.quick else 100,
             "warmup": 5,
         },
@@ -322,6 +336,7 @@ def bench_pair(args, argv) -> None:
             "max_new_tokens": args.max_new_tokens,
             "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
             "modes": list(MODES),
+            "linear_kernel": args.hf_linear_kernel,
             "max_other_cpu": args.max_other_cpu,
             "retries": args.retries,
         },
@@ -380,6 +395,10 @@ def bench_pair(args, argv) -> None:
             "stack_target_worker": args.threads - 1,
             "stack_draft_worker": 1,
             "cost_measurement": 1,
+        },
+        "linear_kernels": {
+            "stack_and_costs": args.linear_kernel,
+            "hf_peers": args.hf_linear_kernel,
         },
         "pair": args.pair,
         "target_model": args.target_model,

@@ -120,6 +120,8 @@ class BenchStack:
                 host="127.0.0.1",
                 draft_threads=1,
                 target_threads=args.threads - 1,
+                target_args=["--linear-kernel", args.linear_kernel],
+                draft_args=["--linear-kernel", args.linear_kernel],
             )
         )
         self.stack.start(progress=lambda msg: self.log(f"  {msg}"))

@@ -42,7 +42,11 @@ def build(settings: DraftSettings):
     else:
         runtime = ModelRuntime(
             RuntimeSettings(
-                resolve_model(settings.model), settings.device, settings.dtype, settings.threads
+                resolve_model(settings.model),
+                settings.device,
+                settings.dtype,
+                settings.threads,
+                settings.linear_kernel,
             )
         )
         proposer = ModelProposer(runtime, settings.wire_top_k)

@@ -38,7 +38,11 @@ def build(settings: TargetSettings):
 
     runtime = ModelRuntime(
         RuntimeSettings(
-            resolve_model(settings.model), settings.device, settings.dtype, settings.threads
+            resolve_model(settings.model),
+            settings.device,
+            settings.dtype,
+            settings.threads,
+            settings.linear_kernel,
         )
     )
     return TargetService(TargetEngine(runtime), settings, address="")

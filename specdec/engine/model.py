@@ -14,6 +14,7 @@ positions given per session; afterwards each session's new KV is appended to its
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -23,8 +24,11 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache
 
 from specdec.engine.batch_kv import BATCH_KV_HEADROOM, BatchKV, BufferLayer
+from specdec.engine.kernels import pack_linears
 from specdec.engine.kv import KVSession
 from specdec.text.tokenizer import eos_token_ids, load_tokenizer, vocab_fingerprint
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,6 +39,7 @@ class RuntimeSettings:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16
     threads: int = 1
+    linear_kernel: str = "auto"  # auto | packed | default (specdec.engine.kernels)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -75,6 +80,15 @@ class ModelRuntime:
         self.vocab_fingerprint = vocab_fingerprint(self.tokenizer)
         self.eos_token_ids = list(eos_token_ids(self.tokenizer))
         self.head_ids = _restrict_head(self.model, settings.model_dir, self.vocab_size)
+        self.packed_linears = pack_linears(self.model, settings.linear_kernel)
+        log.info(
+            "model %s on %s: %s",
+            self.model_name,
+            self.device,
+            f"{self.packed_linears} linear layers on prepacked oneDNN kernels"
+            if self.packed_linears
+            else "torch's own linear kernels",
+        )
         self._last_batch: BatchKV | None = None  # model thread only
 
     @property

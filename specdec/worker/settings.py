@@ -20,6 +20,12 @@ class WorkerSettings(SecurityFlags):
     dtype: str = opt(
         "auto", "auto | float32 | float16 | bfloat16", ["auto", "float32", "float16", "bfloat16"]
     )
+    linear_kernel: str = opt(
+        "auto",
+        "CPU float32 linear layers: auto (oneDNN with weights prepacked at load, when present "
+        "and checked against torch's own) | packed (that, or fail) | default (torch's own)",
+        ["auto", "packed", "default"],
+    )
     max_sessions: int = opt(256, "sessions whose KV is cached (LRU beyond)")
     max_kv_mb: int = opt(1024, "KV cache memory budget in MiB (LRU eviction beyond)")
     max_speculative_tokens: int = opt(16, "largest γ accepted")

@@ -1,0 +1,93 @@
+"""Prepacked oneDNN linear layers: the same linear map as torch's own, checked at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.engine import kernels
+from specdec.engine.kernels import PackedLinear, pack_linears
+from specdec.engine.kv import KVSession
+from specdec.engine.model import ModelRuntime, RuntimeSettings
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+
+
+def load(model_dir: str, dtype=torch.float32):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def count_linears(model) -> int:
+    return sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 80, 300])
+def test_packed_linear_equals_f_linear(rows):
+    gen = torch.Generator().manual_seed(rows)
+    for bias in (False, True):
+        linear = torch.nn.Linear(96, 200, bias=bias)
+        x = torch.randn(2, rows, 96, generator=gen)
+        want = torch.nn.functional.linear(x, linear.weight, linear.bias)
+        got = PackedLinear(linear)(x)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_every_linear_of_a_llama_is_packed_and_logits_agree(model_dirs):
+    stock, packed = load(model_dirs["target"]), load(model_dirs["target"])
+    linears = count_linears(stock)
+    assert pack_linears(packed, "auto") == linears > 0
+    assert count_linears(packed) == 0
+    ids = torch.randint(
+        0, stock.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.inference_mode():
+        want, got = stock(input_ids=ids).logits, packed(input_ids=ids).logits
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_default_and_unsupported_models_keep_torchs_kernels(model_dirs):
+    model = load(model_dirs["target"])
+    assert pack_linears(model, "default") == 0
+    assert count_linears(model) > 0
+    half = load(model_dirs["target"], dtype=torch.bfloat16)
+    assert pack_linears(half, "auto") == 0
+    with pytest.raises(ValueError, match="linear_kernel: packed needs a float32 model"):
+        pack_linears(half, "packed")
+    with pytest.raises(ValueError, match="linear_kernel: expected one of"):
+        pack_linears(model, "fast")
+
+
+def test_a_disagreeing_kernel_is_caught_at_load(model_dirs, monkeypatch):
+    """Negative control: a packed layer that is off by a little is refused, whole model kept."""
+    model = load(model_dirs["target"])
+    linears = count_linears(model)
+    real = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: real(self, x) * (1 + 1e-3))
+    assert pack_linears(model, "auto") == 0
+    assert count_linears(model) == linears
+    with pytest.raises(ValueError, match="disagrees"):
+        pack_linears(model, "packed")
+    monkeypatch.setattr(kernels, "CHECK_RTOL", 1e-2)  # the same error within a looser bound
+    assert pack_linears(model, "auto") == linears
+
+
+def test_runtime_packs_on_cpu_and_computes_what_torchs_kernels_compute(model_dirs):
+    packed = ModelRuntime(RuntimeSettings(model_dirs["target"], device="cpu", threads=1))
+    stock = ModelRuntime(
+        RuntimeSettings(model_dirs["target"], device="cpu", threads=1, linear_kernel="default")
+    )
+    assert packed.packed_linears > 0 and stock.packed_linears == 0
+    prompt = list(range(3, 40))
+    outs = []
+    for runtime in (packed, stock):
+        sessions = [KVSession("a"), KVSession("b")]
+        sessions[0].sync(prompt)
+        sessions[1].sync(prompt[:20])
+        runtime.forward(sessions, [s.pending() for s in sessions], keep=1)
+        outs.append(runtime.forward(sessions, [[5, 6, 7], [8, 9, 10]], keep=3))
+    assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
