@@ -243,6 +243,7 @@ def test_env_carries_configured_flags(chart):
                 "maxInFlight": 96,
                 "maxKvMb": 1048576,
                 "dtype": "bfloat16",
+                "linearKernel": "default",
                 "device": "cuda:1",
             }
         },
@@ -265,6 +266,8 @@ def test_env_carries_configured_flags(chart):
     assert draft["SPECDEC_MAX_IN_FLIGHT"] == "256"  # the chart's default, the program's too
     assert target["SPECDEC_MAX_KV_MB"] == "1048576"  # not "1.048576e+06"
     assert target["SPECDEC_DTYPE"] == "bfloat16"
+    assert target["SPECDEC_LINEAR_KERNEL"] == "default"
+    assert draft["SPECDEC_LINEAR_KERNEL"] == "auto"  # the chart's default, the program's too
     assert target["SPECDEC_DEVICE"] == "cuda:1"
     assert target["SPECDEC_MODEL"] == "/models/target"
 
