@@ -74,8 +74,9 @@ def pack_linears(model: torch.nn.Module, kernel: str = "auto") -> int:
     """Replace every `nn.Linear` of a CPU float32 model by a `PackedLinear`; returns how many.
 
     `kernel`: auto = pack when supported (0 otherwise), packed = pack or raise, default = 0.
-    Every packed layer is checked against `F.linear` on random rows first; a disagreement
-    keeps the whole model on the stock kernels (auto) or raises (packed).
+    Every packed layer is checked against `F.linear` on random rows first, then the model
+    runs one forward of two tokens packed; a disagreement or a failure keeps the whole model
+    on the stock kernels (auto) or raises (packed).
     """
     if kernel not in KERNELS:
         raise ValueError(f"linear_kernel: expected one of {list(KERNELS)}, got {kernel!r}")
@@ -98,6 +99,15 @@ def pack_linears(model: torch.nn.Module, kernel: str = "auto") -> int:
                 raise ValueError(f"linear_kernel: the packed kernel disagrees on layer {name}")
             return 0
         swaps.append((parent, name, packed))
+    originals = [(parent, name, getattr(parent, name)) for parent, name, _ in swaps]
     for parent, name, packed in swaps:
         setattr(parent, name, packed)
+    try:  # a model whose code reads a linear's .weight directly cannot run packed
+        model(input_ids=torch.tensor([[0, 1]]), use_cache=False)
+    except Exception as error:  # noqa: BLE001 - any failure: put torch's layers back
+        for parent, name, linear in originals:
+            setattr(parent, name, linear)
+        if kernel == "packed":
+            raise ValueError(f"linear_kernel: the model does not run packed ({error})") from None
+        return 0
     return len(swaps)

@@ -40,6 +40,7 @@ SERVICES = {
     "bench tls": "bench.tls",
     "bench chaos": "bench.chaos",
     "bench pipeline": "bench.pipeline",
+    "bench kernels": "bench.kernels",
 }
 
 

@@ -91,3 +91,21 @@ def test_runtime_packs_on_cpu_and_computes_what_torchs_kernels_compute(model_dir
         runtime.forward(sessions, [s.pending() for s in sessions], keep=1)
         outs.append(runtime.forward(sessions, [[5, 6, 7], [8, 9, 10]], keep=3))
     assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_that_reads_a_linear_weight_keeps_torchs_kernels(model_dirs, monkeypatch):
+    """Model code that reaches into `.weight` fails on a packed layer: the smoke forward at
+    load notices, and every layer goes back to torch's own."""
+    model = load(model_dirs["target"])
+    linears = count_linears(model)
+    mlp = type(model.model.layers[0].mlp)
+    real = mlp.forward
+    monkeypatch.setattr(
+        mlp, "forward", lambda self, x: real(self, x) + self.up_proj.weight.sum() * 0
+    )
+    assert pack_linears(model, "auto") == 0
+    assert count_linears(model) == linears
+    with pytest.raises(ValueError, match="does not run packed"):
+        pack_linears(model, "packed")
+    monkeypatch.setattr(mlp, "forward", real)
+    assert pack_linears(model, "auto") == linears
