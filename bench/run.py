@@ -95,6 +95,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the HF peers' linear layers: default = torch's own, as a user runs HF; "
         "packed = the stack's prepacked oneDNN kernels, to separate kernels from serving",
     )
+    parser.add_argument(
+        "--peers-only",
+        action="store_true",
+        help="measure the HF peers only (e.g. with --hf-linear-kernel packed) into peers.json",
+    )
     args = parser.parse_args(argv)
     args.prompts = args.prompts or (4 if args.quick else 16)
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
@@ -365,6 +370,10 @@ def bench_pair(args, argv) -> None:
             measured = hf["peers"][mode["name"]][peer]
             raw.append({"contender": peer, "mode": mode["name"], "concurrency": 1, **measured})
 
+    if args.peers_only:
+        (out / "peers.json").write_text(json.dumps({"command": argv, "rows": rows}, indent=1))
+        log(f"peers only: wrote {out / 'peers.json'}")
+        return
     log(f"specdec stack: target worker {args.threads - 1} thread(s), draft worker 1 thread")
     rounds = run_stack(args, prompts, costs, rows, raw, total, log)
 
