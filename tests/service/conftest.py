@@ -2,46 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import grpc
 import pytest
+from inproc_workers import Worker, start_draft, start_target
 from loop_thread import LoopThread
-
-from draft_worker.__main__ import DraftSettings
-from draft_worker.__main__ import build as build_draft
-from specdec.serving.server import Server
-from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
-from target_worker.__main__ import TargetSettings
-from target_worker.__main__ import build as build_target
-
-
-class Worker:
-    """A started worker: its service object, address and a sync channel."""
-
-    def __init__(self, loop: LoopThread, service, name: str):
-        self.loop, self.service = loop, service
-
-        async def start():  # the aio server must be created on the loop that serves it
-            self.server = Server([name], service.settings.max_message_mb)
-            self.server.add(service, name)
-            self.address = f"127.0.0.1:{self.server.bind('127.0.0.1', 0)}"
-            service.address = self.address
-            await self.server.start()
-            service.batcher.start()
-            await self.server.set_serving(True)
-
-        loop.run(start())
-        self.channel = grpc.insecure_channel(self.address)
-
-    def stop(self):
-        self.channel.close()
-
-        async def stop():
-            await self.server.server.stop(0)
-            await self.service.batcher.stop()
-
-        self.loop.run(stop())
 
 
 @pytest.fixture(scope="module")
@@ -49,30 +12,6 @@ def loop_thread():
     loop = LoopThread()
     yield loop
     loop.close()
-
-
-def start_target(loop_thread, model_dir: str, **overrides) -> Worker:
-    settings = replace(
-        TargetSettings(model=model_dir, device="cpu", threads=1, port=0), **overrides
-    )
-    worker = Worker(
-        loop_thread,
-        build_target(settings),
-        "specdec.v1.TargetWorker",
-    )
-    worker.stub = target_pb2_grpc.TargetWorkerStub(worker.channel)
-    return worker
-
-
-def start_draft(loop_thread, model_dir: str, **overrides) -> Worker:
-    settings = replace(DraftSettings(model=model_dir, device="cpu", threads=1, port=0), **overrides)
-    worker = Worker(
-        loop_thread,
-        build_draft(settings),
-        "specdec.v1.DraftWorker",
-    )
-    worker.stub = draft_pb2_grpc.DraftWorkerStub(worker.channel)
-    return worker
 
 
 @pytest.fixture(scope="module")

@@ -308,7 +308,7 @@ def test_full_worker_is_resource_exhausted_only_while_every_session_is_busy(
 def test_max_in_flight_is_back_pressure_before_any_work(loop_thread, model_dirs):
     """Past --max-in-flight a worker answers RESOURCE_EXHAUSTED before touching the session
     (no KV, no batch); with room again the same call is served."""
-    from conftest import start_draft, start_target
+    from inproc_workers import start_draft, start_target
 
     for start, role in ((start_target, "target"), (start_draft, "draft")):
         worker = start(loop_thread, model_dirs[role], max_in_flight=0)
@@ -329,7 +329,7 @@ def test_out_of_memory_in_a_pass_fails_that_pass_not_the_worker(loop_thread, mod
     """A pass that runs out of memory fails its calls (INTERNAL, generic: the coordinator
     fails them over); the worker keeps serving and its next pass is exact."""
     import torch
-    from conftest import start_target
+    from inproc_workers import start_target
 
     worker = start_target(loop_thread, model_dirs["target"])
     try:
@@ -357,7 +357,7 @@ def test_out_of_memory_in_a_pass_fails_that_pass_not_the_worker(loop_thread, mod
 
 def test_a_message_past_max_message_mb_is_resource_exhausted(loop_thread, model_dirs):
     """A worker refuses a request larger than --max-message-mb before parsing it."""
-    from conftest import start_target
+    from inproc_workers import start_target
 
     worker = start_target(loop_thread, model_dirs["target"], max_message_mb=1)
     try:
