@@ -45,25 +45,29 @@ class Worker:
         self.loop.run(stop())
 
 
-def start_target(loop_thread, model_dir: str, **overrides) -> Worker:
-    settings = replace(
-        TargetSettings(model=model_dir, device="cpu", threads=1, port=0), **overrides
-    )
-    worker = Worker(
-        loop_thread,
-        build_target(settings),
-        "specdec.v1.TargetWorker",
-    )
-    worker.stub = target_pb2_grpc.TargetWorkerStub(worker.channel)
+def _start(loop_thread, settings, build, service_name: str, stub) -> Worker:
+    worker = Worker(loop_thread, build(settings), service_name)
+    worker.stub = stub(worker.channel)
     return worker
+
+
+def start_target(loop_thread, model_dir: str, **overrides) -> Worker:
+    settings = TargetSettings(model=model_dir, device="cpu", threads=1, port=0)
+    return _start(
+        loop_thread,
+        replace(settings, **overrides),
+        build_target,
+        "specdec.v1.TargetWorker",
+        target_pb2_grpc.TargetWorkerStub,
+    )
 
 
 def start_draft(loop_thread, model_dir: str, **overrides) -> Worker:
-    settings = replace(DraftSettings(model=model_dir, device="cpu", threads=1, port=0), **overrides)
-    worker = Worker(
+    settings = DraftSettings(model=model_dir, device="cpu", threads=1, port=0)
+    return _start(
         loop_thread,
-        build_draft(settings),
+        replace(settings, **overrides),
+        build_draft,
         "specdec.v1.DraftWorker",
+        draft_pb2_grpc.DraftWorkerStub,
     )
-    worker.stub = draft_pb2_grpc.DraftWorkerStub(worker.channel)
-    return worker
