@@ -43,11 +43,12 @@ sys.path.insert(0, str(ROOT))
 
 from specdec.catalog import SMOLLM2  # noqa: E402
 from specdec.engine.convert import ensure  # noqa: E402
+from specdec.engine.kernels import pack_linears  # noqa: E402
 
 SEED = 1234
 SEQ = 256
 TOPK = 32
-HEAD = 8192
+HEAD = 16384
 GEN_BATCH = 24
 GEN_NEW = 160
 TRAIN_BATCH = 16
@@ -578,8 +579,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-draft")
     ap.add_argument("--work", type=Path, default=ROOT / "models" / "work" / "smollm2-draft")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--chat-prompts", type=int, default=600)
-    ap.add_argument("--text-tokens", type=int, default=200_000)
+    ap.add_argument("--chat-prompts", type=int, default=1600)
+    ap.add_argument("--text-tokens", type=int, default=300_000)
     ap.add_argument("--code-tokens", type=int, default=80_000)
     ap.add_argument("--steps", type=int, default=TRAIN_STEPS)
     ap.add_argument("--stop-after", choices=["data", "generate", "teacher", "train", "eval"])
@@ -594,6 +595,9 @@ def main() -> int:
     target_dir = ensure(SMOLLM2.name, progress=log)
     tokenizer = load_tokenizer(str(target_dir))
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    # the teacher runs as the target worker serves it (packed CPU kernels: generation,
+    # teacher logits and the latency in the model card); make_draft reads its embedding only
+    log("target:", pack_linears(target, "auto"), "linear layers on packed kernels")
     data = stage_data(args.work)
     if args.stop_after == "data":
         return 0

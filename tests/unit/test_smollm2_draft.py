@@ -28,13 +28,13 @@ def test_the_draft_loads_and_shares_smollm2s_vocabulary(smollm2_dir):
     )
     assert load_tokenizer(DRAFT).chat_template == load_tokenizer(smollm2_dir).chat_template
     ids = load_file(os.path.join(DRAFT, "head.safetensors"))["token_ids"]
-    assert ids.dtype == torch.int64 and ids.unique().numel() == ids.numel() == 8192
+    assert ids.dtype == torch.int64 and ids.unique().numel() == ids.numel() == 16384
     assert int(ids.min()) >= 0 and int(ids.max()) < 49152
     params = sum(p.numel() for p in draft.parameters())
     assert params * 5 < sum(
         p.numel() for p in AutoModelForCausalLM.from_config(target_config).parameters()
     )
     training = json.loads(Path(DRAFT, "training.json").read_text())
-    assert training["head_tokens"] == 8192 and training["parameters"] == params
+    assert training["head_tokens"] == 16384 and training["parameters"] == params
     heldout = json.loads(Path(DRAFT, "heldout_prompts.json").read_text())
     assert len(heldout) >= 16 and all(isinstance(q, str) and q for q in heldout)
