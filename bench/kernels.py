@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.inproc import load
 from bench.run import PAIRS, subprocess_job
 
 KERNELS = ("default", "packed")
@@ -30,13 +31,10 @@ BATCHES = (4, 16)
 
 
 @torch.inference_mode()
-def batch_pass_ms(model_dir: str, kernel: str, batch: int, reps: int = 8) -> float:
+def batch_pass_ms(model, batch: int, reps: int = 8) -> float:
     """Median ms of one forward of `batch` sessions × 5 new tokens after a 112-token cache."""
     from transformers import DynamicCache
 
-    from bench.inproc import load
-
-    model = load(model_dir, kernel)
     gen = torch.Generator().manual_seed(batch)
     vocab = int(model.config.vocab_size)
     context = torch.randint(100, vocab, (batch, 112), generator=gen)
@@ -80,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                 "linear_kernel": kernel,
             }
             costs = subprocess_job(job, timeout_s=900)
-            costs["batch_pass_ms"] = {b: batch_pass_ms(target, kernel, b) for b in BATCHES}
+            model = load(target, kernel)  # once for every batch size
+            costs["batch_pass_ms"] = {b: batch_pass_ms(model, b) for b in BATCHES}
+            del model
             results.append({"pair": pair, "kernel": kernel, **costs})
             print(f"  {pair} {kernel}: step {costs['target_step_ms']:.1f} ms", file=sys.stderr)
     head = "| pair | kernel | target step | draft step | c | " + " | ".join(

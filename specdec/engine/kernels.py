@@ -34,9 +34,7 @@ class PackedLinear(torch.nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
+        rows = x.reshape(-1, self.in_features).contiguous()  # a no-op when already so
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 

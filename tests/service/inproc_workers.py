@@ -45,29 +45,29 @@ class Worker:
         self.loop.run(stop())
 
 
-def _start(loop_thread, settings, build, service_name: str, stub) -> Worker:
-    worker = Worker(loop_thread, build(settings), service_name)
+TIERS = {  # role: (settings, build, gRPC service, stub)
+    "target": (
+        TargetSettings,
+        build_target,
+        "specdec.v1.TargetWorker",
+        target_pb2_grpc.TargetWorkerStub,
+    ),
+    "draft": (DraftSettings, build_draft, "specdec.v1.DraftWorker", draft_pb2_grpc.DraftWorkerStub),
+}
+
+
+def start_tier(role: str, loop_thread, model_dir: str, **overrides) -> Worker:
+    """A worker of `role` on 127.0.0.1:0, CPU, 1 thread, with its settings overridden."""
+    settings_cls, build, service_name, stub = TIERS[role]
+    settings = settings_cls(model=model_dir, device="cpu", threads=1, port=0)
+    worker = Worker(loop_thread, build(replace(settings, **overrides)), service_name)
     worker.stub = stub(worker.channel)
     return worker
 
 
 def start_target(loop_thread, model_dir: str, **overrides) -> Worker:
-    settings = TargetSettings(model=model_dir, device="cpu", threads=1, port=0)
-    return _start(
-        loop_thread,
-        replace(settings, **overrides),
-        build_target,
-        "specdec.v1.TargetWorker",
-        target_pb2_grpc.TargetWorkerStub,
-    )
+    return start_tier("target", loop_thread, model_dir, **overrides)
 
 
 def start_draft(loop_thread, model_dir: str, **overrides) -> Worker:
-    settings = DraftSettings(model=model_dir, device="cpu", threads=1, port=0)
-    return _start(
-        loop_thread,
-        replace(settings, **overrides),
-        build_draft,
-        "specdec.v1.DraftWorker",
-        draft_pb2_grpc.DraftWorkerStub,
-    )
+    return start_tier("draft", loop_thread, model_dir, **overrides)
