@@ -103,7 +103,10 @@ def worker_main(
         log.warning("TLS without --tls-ca: any caller that reaches this port may use the worker")
 
     async def run() -> None:
-        service = build(settings)
+        try:
+            service = build(settings)
+        except ValueError as exc:  # a setting the model cannot take: say which, exit 1
+            raise SystemExit(f"{prog}: {exc}") from None
         await serve_worker(settings, role, service, service_name, lambda: warm_up(service))
 
     asyncio.run(run())
