@@ -139,7 +139,7 @@ class SessionLinks:
         worker.in_flight += 1
         try:
             with client_span(f"{tier}/{method}", worker=worker.address, delta=len(delta.token_ids)):
-                response = await getattr(worker.stub, method)(
+                response = await worker.call(method)(
                     build(base, delta), timeout=timeout, metadata=trace_metadata()
                 )
             link.synced = len(committed)

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.discovery import Discovery, RedisDiscovery, StaticDiscovery
+from specdec.serving.callstream import CallLane
 from specdec.serving.security import ClientTLS, SecurityConfigError
 from specdec.serving.server import channel
-from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +29,15 @@ class Worker:
     info: common_pb2.WorkerInfo
     channel: grpc.aio.Channel
     stub: object
+    lanes: dict[str, CallLane] = field(default_factory=dict)  # method → its call stream
     registry_load: float = 0.0
     in_flight: int = 0
     sessions: set[str] = field(default_factory=set)
     dead_until: float = 0.0
+
+    def call(self, method: str):
+        """The worker's `method` (Propose, Verify, ...): on its call stream where it has one."""
+        return self.lanes.get(method) or getattr(self.stub, method)
 
     @property
     def load(self) -> float:
@@ -50,9 +56,11 @@ class WorkerPool:
         timeout_s: float = 5.0,
         tls: ClientTLS | None = None,
         discovery: Discovery | None = None,
+        streams: bool = False,
     ):
         """`discovery` finds workers besides `static` (its owner starts and closes it);
-        without one, `redis` is short for RedisDiscovery(redis), and no redis for static."""
+        without one, `redis` is short for RedisDiscovery(redis), and no redis for static.
+        `streams`: Propose and Verify on a call stream per worker (`CallLane`)."""
         self.role = role
         self.static = [a for a in static if a]
         self.vocab_fingerprint = vocab_fingerprint
@@ -61,6 +69,7 @@ class WorkerPool:
         self.discovery = discovery
         self.timeout_s = timeout_s
         self.tls = tls
+        self.streams = streams
         self._tls_stamp = tls.stamp() if tls else None
         self.workers: dict[str, Worker] = {}
         self.refused: dict[str, str] = {}  # address → why it is not used
@@ -72,6 +81,13 @@ class WorkerPool:
             if self.role == "draft"
             else target_pb2_grpc.TargetWorkerStub(ch)
         )
+
+    def _lanes(self, stub) -> dict[str, CallLane]:
+        if not self.streams:
+            return {}
+        if self.role == "draft":
+            return {"Propose": CallLane(stub.ProposeStream, stub.Propose, draft_pb2.ProposeCall)}
+        return {"Verify": CallLane(stub.VerifyStream, stub.Verify, target_pb2.VerifyCall)}
 
     async def _connect(self, address: str) -> None:
         try:
@@ -96,7 +112,7 @@ class WorkerPool:
             )
             log.error("refusing %s worker %s: %s", self.role, address, self.refused[address])
             return
-        self.workers[address] = Worker(address, self.role, info, ch, stub)
+        self.workers[address] = Worker(address, self.role, info, ch, stub, self._lanes(stub))
         log.info("%s worker %s joined (%s)", self.role, address, info.model_name)
 
     async def _rotate_channels(self) -> None:
@@ -117,6 +133,7 @@ class WorkerPool:
             worker = self.workers[address]
             old = worker.channel
             worker.channel, worker.stub = ch, self._stub(ch)
+            worker.lanes = self._lanes(worker.stub)  # the old streams end with the old channel
             asyncio.get_running_loop().call_later(
                 OLD_CHANNEL_GRACE_S, lambda c=old: asyncio.ensure_future(c.close())
             )

@@ -55,6 +55,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         fp = vocab_fingerprint(tokenizer)
         timeout, tls = settings.worker_timeout_s, settings.worker_tls()
         self.discovery = build_discovery(settings, redis)  # shared by both pools
+
+        def pool(role: str, static: str) -> WorkerPool:
+            return WorkerPool(
+                role,
+                _addresses(static),
+                fp,
+                None,
+                timeout,
+                tls,
+                self.discovery,
+                settings.worker_streams,
+            )
+
         metrics = (
             telemetry.CoordinatorMetrics(lambda: len(self.sessions))
             if settings.metrics_port > 0
@@ -68,12 +81,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 settings.session_ttl_s,
                 observe=metrics.observe_redis if metrics is not None else None,
             ),
-            drafts=WorkerPool(
-                "draft", _addresses(settings.draft_addr), fp, None, timeout, tls, self.discovery
-            ),
-            targets=WorkerPool(
-                "target", _addresses(settings.target_addr), fp, None, timeout, tls, self.discovery
-            ),
+            drafts=pool("draft", settings.draft_addr),
+            targets=pool("target", settings.target_addr),
             costs=CostModel(),
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids(tokenizer),

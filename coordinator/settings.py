@@ -108,6 +108,11 @@ class CoordinatorSettings(SecurityFlags):
         "coordinator's verify batches average under 1.5 sessions, when the draft would idle)",
         ["auto", "on", "off"],
     )
+    worker_streams: bool = opt(
+        True,
+        "carry Propose and Verify calls on one long-lived stream per worker (about half the "
+        "cost of a unary call at one request); --no-worker-streams makes unary calls",
+    )
     prefill_threshold: int = opt(
         32,
         "a target that lacks more committed tokens than this gets a chunked Prefill first "

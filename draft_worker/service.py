@@ -75,3 +75,6 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
             total_ns=time.perf_counter_ns() - start,
             computed_tokens=outcome.computed_tokens,
         )
+
+    async def ProposeStream(self, requests, context):
+        await self.serve_calls(requests, context, self.Propose, draft_pb2.ProposeReply)

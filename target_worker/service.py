@@ -101,6 +101,9 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
             batch_seq=run.batch_seq,
         )
 
+    async def VerifyStream(self, requests, context):
+        await self.serve_calls(requests, context, self.Verify, target_pb2.VerifyReply)
+
     @rpc
     async def Prefill(self, request, context):
         start = time.perf_counter_ns()

@@ -61,6 +61,7 @@ async def serve_worker(settings, role: str, service, service_name: str, warmup) 
     print(f"READY {role} {address}", flush=True)  # serving, and registered when asked to
     await stop.wait()
     log.info("%s worker draining (grace %.1fs)", role, settings.grace_s)
+    service.closing.set()  # call streams answer what they took, then end
     if registration:
         await registration.stop()
     await server.drain_and_stop(settings.grace_s)

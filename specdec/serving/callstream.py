@@ -1,0 +1,240 @@
+"""Calls multiplexed on one long-lived gRPC stream per worker (ProposeStream, VerifyStream).
+
+At one request a round makes two worker calls, and on a host where the forward pass leaves
+gRPC idle, a unary call costs about twice a message on an open stream (a new HTTP/2 stream,
+its headers and gRPC's thread hand-offs waking from idle; docs/benchmarks.md, "A lean
+round"). So the coordinator keeps one stream per worker and method (`CallLane`), and the
+worker answers each call on it (`serve_calls`) through the very handler its unary method
+runs — the same checks, status mapping, metrics and trace span — as if it had arrived alone.
+
+Semantics are the unary call's: each call has a deadline (the worker stops working on it
+then too), ends with its response or its status code and message (the caller sees a
+`grpc.aio.AioRpcError`, so failover code is shared), and a stream that breaks fails the calls
+in flight on it with the stream's status (a dead worker: UNAVAILABLE) — the next call opens
+a new stream. A worker that drains answers the calls it has, then ends its streams OK; calls
+it did not take end UNAVAILABLE and fail over. A worker without the stream method (an older
+version during a rolling upgrade) answers UNIMPLEMENTED, and the lane then makes unary calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from specdec.serving.server import Malformed
+
+log = logging.getLogger(__name__)
+
+# A lane moves its calls to a new stream once its stream is this old, and half-closes the
+# old one (the worker answers what it took, then ends it): a stream never outlives the
+# server's connection age (GOAWAY after 30 min, connections cut 5 min later), which would
+# fail the calls on it and fail their sessions over.
+STREAM_MAX_AGE_S = 300.0
+
+CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def call_error(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
+    """What a failed unary call raises, for a call carried by a stream."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=message)
+
+
+# --- the worker's side ----------------------------------------------------------------
+
+
+class CallAborted(grpc.aio.AbortError):
+    """`abort` of one call on a stream: ends that call with a status, not the stream."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class CallContext:
+    """What a unary handler uses of its gRPC context, for one call carried by a stream."""
+
+    def __init__(self, stream_context, metadata):
+        self._stream = stream_context
+        self._metadata = tuple(metadata.items())
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    async def send_initial_metadata(self, metadata) -> None:
+        """A call on a stream has no headers of its own (the stream's were sent)."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = ""):
+        raise CallAborted(code, details)
+
+    def peer(self) -> str:
+        return self._stream.peer()
+
+    def auth_context(self):
+        return self._stream.auth_context()
+
+
+async def serve_calls(requests, context, handler, reply_cls, closing: asyncio.Event) -> None:
+    """Answer every call of a stream: each runs `handler(request, CallContext)` (the unary
+    method, `rpc`-wrapped) as its own task, so calls of different sessions batch together,
+    and its reply (`reply_cls`: call_id, response, status) is written when it is done. Ends
+    when the caller closes its side or `closing` is set (the worker drains), after the calls
+    taken are answered; a cancelled stream (the caller went away) cancels them."""
+    writing = asyncio.Lock()
+    calls: set[asyncio.Task] = set()
+
+    async def answer(call) -> None:
+        reply = reply_cls(call_id=call.call_id)
+        work = handler(call.request, CallContext(context, call.metadata))
+        try:
+            timeout = call.timeout_ms / 1000 if call.timeout_ms else None
+            reply.response.CopyFrom(await asyncio.wait_for(work, timeout))
+        except CallAborted as exc:
+            reply.status.code, reply.status.message = exc.code.value[0], exc.details
+        except asyncio.TimeoutError:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+            reply.status.code, reply.status.message = code.value[0], "deadline exceeded"
+        async with writing:
+            await context.write(reply)
+
+    async def take() -> None:
+        async for call in requests:
+            if isinstance(call, Malformed):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request: not a valid {call.message_name} (malformed protobuf)",
+                )
+            task = asyncio.ensure_future(answer(call))
+            calls.add(task)
+            task.add_done_callback(calls.discard)
+
+    reader = asyncio.ensure_future(take())
+    drained = asyncio.ensure_future(closing.wait())
+    try:
+        await asyncio.wait({reader, drained}, return_when=asyncio.FIRST_COMPLETED)
+        if reader.done():
+            reader.result()  # a malformed call ends the stream with its status
+    except BaseException:
+        for task in calls:
+            task.cancel()
+        raise
+    finally:
+        reader.cancel()
+        drained.cancel()
+    if calls:  # taken: answered before the stream ends
+        await asyncio.gather(*calls, return_exceptions=True)
+
+
+# --- the caller's side ----------------------------------------------------------------
+
+
+class _Unsupported(Exception):
+    """The worker has no stream method (UNIMPLEMENTED): make unary calls."""
+
+
+@dataclass
+class _Stream:
+    call: object  # grpc.aio.StreamStreamCall
+    outbox: asyncio.Queue
+    pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    reader: asyncio.Task | None = None
+    opened: float = field(default_factory=time.monotonic)
+
+
+class CallLane:
+    """Calls of one method to one worker on one long-lived stream (opened at the first call
+    and again after it ended); unary calls once the worker answered UNIMPLEMENTED."""
+
+    def __init__(self, open_stream, unary, call_cls):
+        """open_stream: the stub's stream method (ProposeStream); unary: its unary one
+        (Propose); call_cls: the stream's call message (ProposeCall)."""
+        self.open_stream, self.unary, self.call_cls = open_stream, unary, call_cls
+        self.streaming = True
+        self.ids = itertools.count(1)
+        self.stream: _Stream | None = None
+
+    async def __call__(self, request, timeout: float, metadata=()):
+        if not self.streaming:
+            return await self.unary(request, timeout=timeout, metadata=metadata)
+        stream = self.stream
+        if stream is not None and time.monotonic() - stream.opened > STREAM_MAX_AGE_S:
+            stream.outbox.put_nowait(None)  # retired: its calls are answered, then it ends
+            stream = None
+        if stream is None:
+            stream = self._open()
+        call_id = next(self.ids)
+        answer = asyncio.get_running_loop().create_future()
+        stream.pending[call_id] = answer
+        stream.outbox.put_nowait(
+            self.call_cls(
+                call_id=call_id,
+                request=request,
+                metadata=dict(metadata or ()),
+                timeout_ms=max(1, int(timeout * 1000)),
+            )
+        )
+        try:
+            return await asyncio.wait_for(answer, timeout)
+        except asyncio.TimeoutError:
+            raise call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except _Unsupported:
+            if self.streaming:
+                log.info("worker has no %s: unary calls", self.call_cls.__name__)
+            self.streaming = False
+            return await self.unary(request, timeout=timeout, metadata=metadata)
+        finally:
+            stream.pending.pop(call_id, None)
+
+    def _open(self) -> _Stream:
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def calls():
+            while (call := await outbox.get()) is not None:
+                yield call
+
+        stream = _Stream(self.open_stream(calls()), outbox)
+        stream.reader = asyncio.ensure_future(self._read(stream))
+        self.stream = stream
+        return stream
+
+    async def _read(self, stream: _Stream) -> None:
+        """Hand each reply to its call; when the stream ends, fail the calls still on it."""
+        ended: Exception = call_error(
+            grpc.StatusCode.UNAVAILABLE, "the worker ended the call stream (draining)"
+        )
+        try:
+            async for reply in stream.call:
+                answer = stream.pending.pop(reply.call_id, None)
+                if answer is None or answer.done():
+                    continue  # its caller gave up (deadline, cancellation)
+                if reply.status.code:
+                    code = CODES.get(reply.status.code, grpc.StatusCode.UNKNOWN)
+                    answer.set_exception(call_error(code, reply.status.message))
+                else:
+                    answer.set_result(reply.response)
+        except grpc.aio.AioRpcError as exc:
+            ended = _Unsupported() if exc.code() == grpc.StatusCode.UNIMPLEMENTED else exc
+        except asyncio.CancelledError:
+            ended = call_error(grpc.StatusCode.CANCELLED, "the call stream was closed")
+            raise
+        finally:
+            stream.outbox.put_nowait(None)  # ends the request iterator gRPC consumes
+            if self.stream is stream:
+                self.stream = None
+            for answer in stream.pending.values():
+                if not answer.done():
+                    answer.set_exception(ended)
+            stream.pending.clear()
+
+    async def close(self) -> None:
+        """End the stream: calls in flight on it end CANCELLED."""
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.outbox.put_nowait(None)
+            stream.call.cancel()
+            if stream.reader is not None:
+                await asyncio.gather(stream.reader, return_exceptions=True)

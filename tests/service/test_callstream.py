@@ -1,0 +1,235 @@
+"""Worker calls on a long-lived stream (specdec/serving/callstream.py) against real in-process
+workers: the same answers as unary calls, calls of one stream batched together, per-call
+statuses and deadlines, the unary fallback for a worker without the stream method, the
+drain that ends streams instead of holding the server for its whole grace period, and a
+broken stream failing its calls with a failover code."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from inproc_workers import start_tier
+from rounds import propose_request, verify_request
+
+from coordinator.links import FAILOVER_CODES
+from specdec.serving import callstream
+from specdec.serving.callstream import CallLane
+from specdec.serving.server import Server
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+PROMPTS = [[5 + i, 6, 7, 8 + i, 9] for i in range(6)]
+SAMPLING = common_pb2.SamplingParams(temperature=0.8, top_p=0.95)
+TIMEOUT_S = 60.0
+
+
+def lanes(address: str):
+    channel = grpc.aio.insecure_channel(address)
+    target = target_pb2_grpc.TargetWorkerStub(channel)
+    draft = draft_pb2_grpc.DraftWorkerStub(channel)
+    return (
+        channel,
+        CallLane(target.VerifyStream, target.Verify, target_pb2.VerifyCall),
+        CallLane(draft.ProposeStream, draft.Propose, draft_pb2.ProposeCall),
+        target,
+        draft,
+    )
+
+
+def test_stream_answers_as_unary_calls_and_batches_them(loop_thread, draft, target):
+    async def run():
+        tch, verify, _, unary_target, _ = lanes(target.address)
+        dch, _, propose, _, unary_draft = lanes(draft.address)
+        try:
+            # one sampled proposal over the stream and one unary, same history and seed
+            streamed = await propose(
+                propose_request("p-s", PROMPTS[0], 4, 0, SAMPLING, 7), TIMEOUT_S
+            )
+            alone = await unary_draft.Propose(propose_request("p-u", PROMPTS[0], 4, 0, SAMPLING, 7))
+            assert list(streamed.candidate_ids) == list(alone.candidate_ids)
+            assert streamed.draft_dists == alone.draft_dists and len(streamed.draft_dists) == 4
+            # six sessions verified at once on one stream, against unary calls one by one
+            on_stream = await asyncio.gather(
+                *(
+                    verify(verify_request(f"v-s{i}", p, alone, 0, SAMPLING, 7), TIMEOUT_S)
+                    for i, p in enumerate(PROMPTS)
+                )
+            )
+            for i, p in enumerate(PROMPTS):
+                one = await unary_target.Verify(verify_request(f"v-u{i}", p, alone, 0, SAMPLING, 7))
+                assert list(on_stream[i].output_ids) == list(one.output_ids)
+                assert on_stream[i].num_accepted == one.num_accepted
+            # calls of one stream are served concurrently: they shared forward passes
+            assert max(r.batch_size for r in on_stream) > 1
+            assert verify.streaming and propose.streaming
+        finally:
+            await verify.close()
+            await propose.close()
+            await tch.close()
+            await dch.close()
+
+    loop_thread.run(run())
+
+
+def test_a_call_ends_with_its_own_status_and_the_stream_goes_on(loop_thread, target):
+    async def run():
+        channel, verify, *_ = lanes(target.address)
+        try:
+            good = verify_request("st-1", PROMPTS[1], [11, 12])
+            await verify(good, TIMEOUT_S)
+            stream = verify.stream
+            bad = verify_request("st-2", PROMPTS[1], [11, 1 << 30])
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await verify(bad, TIMEOUT_S)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "candidate_ids" in err.value.details()
+            # a deadline too short for a forward pass ends that call only
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await verify(verify_request("st-3", PROMPTS[2], [11]), 0.001)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            again = await verify(verify_request("st-4", PROMPTS[1], [11, 12]), TIMEOUT_S)
+            assert len(again.output_ids) == again.num_accepted + 1
+            assert verify.stream is stream  # the same stream served all four
+        finally:
+            await verify.close()
+            await channel.close()
+
+    loop_thread.run(run())
+
+
+class UnaryOnly:
+    """A target worker stand-in without VerifyStream (as an older worker): forwards Verify."""
+
+    def __init__(self, upstream: str):
+        self.channel = grpc.aio.insecure_channel(upstream)
+        self.stub = target_pb2_grpc.TargetWorkerStub(self.channel)
+        self.calls = 0
+
+    async def Verify(self, request, context):
+        self.calls += 1
+        return await self.stub.Verify(request)
+
+
+def test_a_worker_without_the_stream_method_gets_unary_calls(loop_thread, target):
+    async def run():
+        proxy = UnaryOnly(target.address)
+        server = Server(["specdec.v1.TargetWorker"])
+        server.add(proxy, "specdec.v1.TargetWorker")
+        port = server.bind("127.0.0.1", 0)
+        await server.start()
+        channel, verify, *_ = lanes(f"127.0.0.1:{port}")
+        try:
+            for i in range(2):
+                answer = await verify(verify_request(f"u-{i}", PROMPTS[3], [11, 12]), TIMEOUT_S)
+                assert len(answer.output_ids) == answer.num_accepted + 1
+            assert not verify.streaming and proxy.calls == 2
+        finally:
+            await channel.close()
+            await proxy.channel.close()
+            await server.server.stop(0)
+
+    loop_thread.run(run())
+
+
+def slowed(worker, seconds: float):
+    """Make the worker's Verify take `seconds` longer (so a call is surely in flight)."""
+    verify = worker.service.Verify
+
+    async def slow(request, context):
+        await asyncio.sleep(seconds)
+        return await verify(request, context)
+
+    worker.service.Verify = slow
+    return worker
+
+
+def test_drain_answers_the_calls_taken_then_ends_the_stream(loop_thread, model_dirs):
+    """With `closing` set the stream ends as soon as its call is answered, and the server
+    stops far inside its grace period; without it (the negative control) an open stream
+    holds the stop for the whole grace period."""
+
+    async def stop_with_stream_open(worker, drain: bool) -> tuple[float, object]:
+        channel, verify, *_ = lanes(worker.address)
+        try:
+            await verify(verify_request("d-0", PROMPTS[4], [11]), TIMEOUT_S)  # stream open
+            call = asyncio.ensure_future(
+                verify(verify_request("d-1", PROMPTS[5], [11, 12]), TIMEOUT_S)
+            )
+            await asyncio.sleep(0.1)  # the call is taken (it takes 0.3 s)
+            if drain:
+                worker.service.closing.set()
+            start = time.monotonic()
+            await worker.server.server.stop(GRACE_S)
+            elapsed = time.monotonic() - start
+            answered = await asyncio.gather(call, return_exceptions=True)
+            return elapsed, answered[0]
+        finally:
+            await verify.close()
+            await channel.close()
+            await worker.service.batcher.stop()
+
+    GRACE_S = 3.0
+    drained = slowed(start_tier("target", loop_thread, model_dirs["target"], max_wait_ms=1.0), 0.3)
+    elapsed, answer = loop_thread.run(stop_with_stream_open(drained, drain=True))
+    assert isinstance(answer, target_pb2.VerifyResponse), answer  # taken, then answered
+    assert elapsed < GRACE_S / 2, elapsed
+    held = slowed(start_tier("target", loop_thread, model_dirs["target"], max_wait_ms=1.0), 0.3)
+    elapsed, _ = loop_thread.run(stop_with_stream_open(held, drain=False))
+    assert elapsed >= GRACE_S * 0.9, elapsed
+
+
+def test_a_broken_stream_fails_its_calls_for_failover_and_reopens(loop_thread, model_dirs):
+    worker = slowed(start_tier("target", loop_thread, model_dirs["target"], max_wait_ms=1.0), 2.0)
+
+    async def run():
+        channel, verify, *_ = lanes(worker.address)
+        try:
+            await verify(verify_request("b-0", PROMPTS[0], [11]), TIMEOUT_S)
+            first = verify.stream
+            call = asyncio.ensure_future(verify(verify_request("b-1", PROMPTS[1], [11]), TIMEOUT_S))
+            await asyncio.sleep(0.2)  # the call is taken (it takes 2 s)
+            await worker.server.server.stop(0)  # the worker goes away mid-call
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() in FAILOVER_CODES
+            assert verify.stream is None  # the next call opens a new stream
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await verify(verify_request("b-2", PROMPTS[1], [11]), 2.0)
+            assert err.value.code() in FAILOVER_CODES
+            assert verify.stream is not first
+        finally:
+            await verify.close()
+            await channel.close()
+            await worker.service.batcher.stop()
+
+    loop_thread.run(run())
+
+
+def test_a_retired_stream_answers_its_calls_before_it_ends(loop_thread, target, monkeypatch):
+    """Every call finds its stream too old (age limit 0): it moves to a new stream and
+    half-closes the old one while the previous call is still in flight on it."""
+    monkeypatch.setattr(callstream, "STREAM_MAX_AGE_S", 0.0)
+
+    async def run():
+        channel, verify, *_ = lanes(target.address)
+        try:
+            streams = []
+
+            async def one(i: int):
+                call = asyncio.ensure_future(
+                    verify(verify_request(f"r-{i}", PROMPTS[i], [11, 12]), TIMEOUT_S)
+                )
+                await asyncio.sleep(0)  # the call has its stream
+                streams.append(verify.stream)
+                return await call
+
+            answers = await asyncio.gather(*(one(i) for i in range(4)))
+            assert all(len(a.output_ids) == a.num_accepted + 1 for a in answers)
+            assert len({id(s) for s in streams}) == 4
+        finally:
+            await verify.close()
+            await channel.close()
+
+    loop_thread.run(run())
