@@ -20,7 +20,7 @@ import grpc
 from coordinator.context import RunContext
 from coordinator.pool import Worker
 from coordinator.stats import Stats
-from specdec.core.prefix import fingerprint
+from specdec.core.prefix import PrefixDigest
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.serving.telemetry import client_span, span, trace_metadata
 from specdec.serving.wire import check_draft_dists, check_tokens
@@ -103,38 +103,59 @@ class SessionLinks:
         self.draft = Link()
         self.target = Link()
         self.draft_wait_spent = False  # a fixed-γ session waited out a draft outage
+        # the digest of the committed prefix so far (it only grows during a run)
+        self.prefix = PrefixDigest()
 
     def link(self, role: str) -> Link:
         return self.draft if role == "draft" else self.target
 
-    def _base(self, link: Link, committed: list[int]):
+    def _base(self, link: Link, committed: list[int], stable: int):
+        """The base and delta of a call for the prefix `committed`, whose first `stable`
+        tokens are the session's committed ones (the rest: candidates drafted ahead)."""
         start = link.synced if 0 < link.synced <= len(committed) else 0
         base = common_pb2.Base(
             session_id=self.session_id,
             epoch=self.epoch,
             base_len=len(committed),
-            base_fingerprint=fingerprint(committed),
+            base_fingerprint=self.prefix.of(committed, stable),
         )
         return base, common_pb2.TokenDelta(start=start, token_ids=committed[start:])
 
-    async def _call(self, link: Link, method: str, committed: list[int], build, timeout: float):
-        """Call a worker; a refused base (FAILED_PRECONDITION) is retried once with the full
+    async def _call(
+        self,
+        link: Link,
+        method: str,
+        committed: list[int],
+        build,
+        timeout: float,
+        stable: int | None = None,
+    ):
+        """Call a worker about the prefix `committed` (its first `stable` tokens committed;
+        default all); a refused base (FAILED_PRECONDITION) is retried once with the full
         prefix (a `specdec.resync` span)."""
         tier = "draft" if link is self.draft else "target"
+        stable = len(committed) if stable is None else stable
         try:
-            return await self._send(link, tier, method, committed, build, timeout)
+            return await self._send(link, tier, method, committed, build, timeout, stable)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
         link.synced = 0
         self.ctx.count("resyncs", tier=tier)
         with span("specdec.resync", tier=tier, tokens=len(committed)):
-            return await self._send(link, tier, method, committed, build, timeout)
+            return await self._send(link, tier, method, committed, build, timeout, stable)
 
     async def _send(
-        self, link: Link, tier: str, method: str, committed: list[int], build, timeout: float
+        self,
+        link: Link,
+        tier: str,
+        method: str,
+        committed: list[int],
+        build,
+        timeout: float,
+        stable: int,
     ):
-        base, delta = self._base(link, committed)
+        base, delta = self._base(link, committed, stable)
         worker = link.worker
         worker.in_flight += 1
         try:
@@ -256,7 +277,7 @@ class SessionLinks:
             return None
         try:
             response = await self._call(
-                link, "Propose", optimistic, build, self.ctx.settings.draft_timeout_s
+                link, "Propose", optimistic, build, self.ctx.settings.draft_timeout_s, held
             )
             check_proposal(response, gamma, link.worker.info.vocab_size)
             return response

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.core.prefix import common_prefix_len
+from specdec.core.prefix import PrefixDigest, common_prefix_len
 
 
 class KVSession:
@@ -24,6 +24,7 @@ class KVSession:
         self.session_id = session_id
         self.epoch = epoch
         self.tokens: list[int] = []  # history the worker holds (committed, then kept candidates)
+        self.digest = PrefixDigest()  # of the last base proven (tokens[:digest.length])
         self.kv_len = 0  # tokens[:kv_len] have KV computed
         self.keys: list[torch.Tensor] = []  # per layer [heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
@@ -39,13 +40,14 @@ class KVSession:
         """Bytes of the KV buffers (their capacity, not just kv_len)."""
         return self._nbytes
 
-    def sync(self, history: Sequence[int]) -> int:
+    def sync(self, history: Sequence[int], same: int = 0) -> int:
         """Adopt `history` as the session's tokens, keeping KV of the common prefix only.
+        `same`: history's first `same` tokens are known to be the session's (not compared).
 
         Returns the new kv_len. Rejected candidates and anything the caller does not confirm
         are dropped here (invariant 3: no computation on a wrong history).
         """
-        keep = common_prefix_len(self.tokens, history)
+        keep = same + common_prefix_len(self.tokens[same:], history[same:])
         self.tokens = list(history)
         # the last history token is always fed again: its logits predict the next position
         self.kv_len = max(0, min(self.kv_len, keep, len(history) - 1))
@@ -55,6 +57,8 @@ class KVSession:
         """Forget everything after the first `length` tokens (history and KV)."""
         del self.tokens[length:]
         self.kv_len = min(self.kv_len, length)
+        if length < self.digest.length:  # the proven prefix is gone with it
+            self.digest = PrefixDigest()
 
     def pending(self) -> list[int]:
         """History tokens whose KV is not computed yet (fed at the next forward)."""

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 from collections import OrderedDict
 
-from specdec.core.prefix import fingerprint
+from specdec.core.prefix import PrefixDigest
 from specdec.engine.kv import KVSession
 from specdec.errors import Exhausted, InvalidArgument, NotFound, StaleBase
 from specdec.serving.wire import check_session_id, check_tokens
@@ -79,25 +79,29 @@ class SessionTable:
                 f"base.epoch {base.epoch} is older than the worker's epoch {session.epoch}"
             )
         if delta.start == 0:
-            history = new_tokens
+            history, digest = new_tokens, PrefixDigest()
         elif session is None or len(session.tokens) < delta.start:
             raise StaleBase(
                 f"base: the worker does not hold the first {delta.start} tokens; send the full prefix"
             )
         else:
             history = session.tokens[: delta.start] + new_tokens
-        if base.base_fingerprint:
-            if fingerprint(history) != base.base_fingerprint:
-                raise StaleBase(
-                    "base.base_fingerprint does not match the worker's prefix; send the full prefix"
-                )
-        elif delta.start != 0:
+            # the digest of the last base this worker proved, extended by what follows it
+            proven = session.digest if session.digest.length <= delta.start else None
+            digest = proven.copy() if proven is not None else PrefixDigest()
+        if not base.base_fingerprint and delta.start != 0:
             raise InvalidArgument("base.base_fingerprint is required unless delta.start = 0")
+        proof = digest.of(history)
+        if base.base_fingerprint and proof != base.base_fingerprint:
+            raise StaleBase(
+                "base.base_fingerprint does not match the worker's prefix; send the full prefix"
+            )
         if session is None:
             session = self._admit(base.session_id)
         self.sessions.move_to_end(base.session_id)
         session.epoch = int(base.epoch)
-        session.sync(history)
+        session.sync(history, same=delta.start)
+        session.digest = digest  # history is the committed prefix now
         return session
 
     def _admit(self, session_id: str) -> KVSession:
