@@ -33,10 +33,11 @@ GAMMAS = (2, 4, None)
 STACKS = ("off", "on", "auto")
 
 
-def measure(stack: Stack, prompts: list[list[int]], tokens: int) -> dict:
-    """Every (mode, γ) over the prompts at concurrency 1."""
+def measure(address: str, prompts: list[list[int]], tokens: int) -> dict:
+    """Every (mode, γ) over the prompts at concurrency 1, through the coordinator at
+    `address`."""
     results = {}
-    with Client(stack.address, timeout_s=600) as client:
+    with Client(address, timeout_s=600) as client:
         client.generate(prompts[0], max_new_tokens=8, ignore_eos=True)  # warm-up
         for mode, sampling in MODES.items():
             for gamma in GAMMAS:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 coordinator_args=["--pipeline", name],
             )
             with Stack(settings) as stack:
-                runs[name].append(measure(stack, prompts, args.tokens))
+                runs[name].append(measure(stack.address, prompts, args.tokens))
             rates = {k: round(v["tokens_per_s"], 1) for k, v in runs[name][-1].items()}
             print(f"repeat {repeat} --pipeline {name}: {json.dumps(rates)}", flush=True)
     lines = [

@@ -40,6 +40,7 @@ SERVICES = {
     "bench tls": "bench.tls",
     "bench chaos": "bench.chaos",
     "bench pipeline": "bench.pipeline",
+    "bench streams": "bench.streams",
     "bench kernels": "bench.kernels",
 }
 

@@ -8,7 +8,8 @@ worker answers each call on it (`serve_calls`) through the very handler its unar
 runs — the same checks, status mapping, metrics and trace span — as if it had arrived alone.
 
 Semantics are the unary call's: each call has a deadline (the worker stops working on it
-then too), ends with its response or its status code and message (the caller sees a
+then too), a caller that cancels it makes the worker stop too (a `cancel` message), it ends
+with its response or its status code and message (the caller sees a
 `grpc.aio.AioRpcError`, so failover code is shared), and a stream that breaks fails the calls
 in flight on it with the stream's status (a dead worker: UNAVAILABLE) — the next call opens
 a new stream. A worker that drains answers the calls it has, then ends its streams OK; calls
@@ -85,7 +86,7 @@ async def serve_calls(requests, context, handler, reply_cls, closing: asyncio.Ev
     when the caller closes its side or `closing` is set (the worker drains), after the calls
     taken are answered; a cancelled stream (the caller went away) cancels them."""
     writing = asyncio.Lock()
-    calls: set[asyncio.Task] = set()
+    calls: dict[int, asyncio.Task] = {}  # call id → the task answering it
 
     async def answer(call) -> None:
         reply = reply_cls(call_id=call.call_id)
@@ -108,9 +109,14 @@ async def serve_calls(requests, context, handler, reply_cls, closing: asyncio.Ev
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"request: not a valid {call.message_name} (malformed protobuf)",
                 )
+            if call.cancel:  # the caller gave up on it
+                task = calls.get(call.call_id)
+                if task is not None:
+                    task.cancel()
+                continue
             task = asyncio.ensure_future(answer(call))
-            calls.add(task)
-            task.add_done_callback(calls.discard)
+            calls[call.call_id] = task
+            task.add_done_callback(lambda _, i=call.call_id: calls.pop(i, None))
 
     reader = asyncio.ensure_future(take())
     drained = asyncio.ensure_future(closing.wait())
@@ -119,14 +125,14 @@ async def serve_calls(requests, context, handler, reply_cls, closing: asyncio.Ev
         if reader.done():
             reader.result()  # a malformed call ends the stream with its status
     except BaseException:
-        for task in calls:
+        for task in calls.values():
             task.cancel()
         raise
     finally:
         reader.cancel()
         drained.cancel()
     if calls:  # taken: answered before the stream ends
-        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.gather(*calls.values(), return_exceptions=True)
 
 
 # --- the caller's side ----------------------------------------------------------------
@@ -181,6 +187,10 @@ class CallLane:
             return await asyncio.wait_for(answer, timeout)
         except asyncio.TimeoutError:
             raise call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except asyncio.CancelledError:  # as a unary call's cancellation, the worker stops
+            if stream is self.stream:
+                stream.outbox.put_nowait(self.call_cls(call_id=call_id, cancel=True))
+            raise
         except _Unsupported:
             if self.streaming:
                 log.info("worker has no %s: unary calls", self.call_cls.__name__)

@@ -233,3 +233,47 @@ def test_a_retired_stream_answers_its_calls_before_it_ends(loop_thread, target, 
             await channel.close()
 
     loop_thread.run(run())
+
+
+def test_a_cancelled_call_stops_the_workers_work_on_it(loop_thread, model_dirs):
+    """As a unary call's cancellation: the worker's handler is cancelled (it would otherwise
+    sleep 2 s and then run a forward pass); the stream serves the next call."""
+    worker = start_tier("target", loop_thread, model_dirs["target"], max_wait_ms=1.0)
+    verify_once = worker.service.Verify
+    seen: list[str] = []
+
+    async def slow_first(request, context):
+        if not seen:
+            try:
+                seen.append("started")
+                await asyncio.sleep(2.0)
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+        return await verify_once(request, context)
+
+    worker.service.Verify = slow_first
+
+    async def run():
+        channel, verify, *_ = lanes(worker.address)
+        try:
+            call = asyncio.ensure_future(verify(verify_request("c-0", PROMPTS[0], [11]), TIMEOUT_S))
+            while not seen:
+                await asyncio.sleep(0.01)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            for _ in range(100):  # the cancel message reaches the worker
+                if "cancelled" in seen:
+                    break
+                await asyncio.sleep(0.01)
+            assert seen == ["started", "cancelled"]
+            answer = await verify(verify_request("c-1", PROMPTS[1], [11]), TIMEOUT_S)
+            assert len(answer.output_ids) == answer.num_accepted + 1
+        finally:
+            await verify.close()
+            await channel.close()
+            await worker.server.server.stop(0)
+            await worker.service.batcher.stop()
+
+    loop_thread.run(run())
