@@ -3,7 +3,8 @@
     python -m bench.math [--threads 1] [--out results/math] [--quick]   (also: specdec bench math)
 
 For each vocabulary (8k, 49k SmolLM2, 128k Llama 3, 262k Gemma 3) × batch (1, 16, 64) ×
-mode (greedy; sampling at temperature 0.8, top-p 0.95), γ = 4, K = 32 wire entries:
+mode (greedy; sampling at temperature 0.8, top-p 0.95), γ = 4, K = 32 wire entries, the
+median of `REPEATS` calls (batch 1 takes the small-batch path, `specdec.core.processed.few_rows`):
   - hot path (what the workers run): `propose_step` for one draft step; `verify_logits` for
     one verify pass, from the target's float32 logits [B, γ+1, vocab] and the sparse q̃;
   - dense reference (the math before): `batched_probs` + `dense_q` + `verify_block`, and a
@@ -34,6 +35,7 @@ from specdec.core.sampling import apply_processors, batched_probs, sample_invers
 from specdec.core.verify import DraftBlock, verify_block, verify_logits
 
 GAMMA, K = 4, 32
+REPEATS = {1: 100, 16: 5}  # timed calls per case by batch (3 beyond): sub-ms cases need more
 MODES = {"greedy": SamplingParams(), "sampling": SamplingParams(temperature=0.8, top_p=0.95)}
 
 
@@ -203,7 +205,7 @@ def model_share(model_dir: str, batch: int = 16, prompt_len: int = 96) -> list[d
 
 
 def markdown(rows: list[dict], shares: list[dict], threads: int) -> str:
-    fmt = lambda x: "—" if x is None else f"{x:.1f}"  # noqa: E731
+    fmt = lambda x: "—" if x is None else f"{x:.2f}" if x < 1 else f"{x:.1f}"  # noqa: E731
     out = [
         f"Per-pass math, {threads} CPU thread(s), γ = {GAMMA}, K = {K}; median ms.",
         "",
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             for batch in batches:
                 for mode in MODES:
                     dense = batch <= 16 and vocab <= 131072
-                    rows.append(case(vocab, batch, mode, dense, repeat=5 if batch < 64 else 3))
+                    repeat = REPEATS.get(batch, 3)
+                    rows.append(case(vocab, batch, mode, dense, repeat=repeat))
                     print(json.dumps(rows[-1]), flush=True)
         shares = [r for model in args.model for r in model_share(model)]
     out = Path(args.out)

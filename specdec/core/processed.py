@@ -15,6 +15,11 @@ the one bin where the nucleus ends (`_nucleus_cut`), never a sort of the vocabul
 comes from the window when the kept set fits in it, else from one pass over the row; the
 whole-row sums are float32 exps added in float64 (p then sums to 1 within ~1e-7).
 
+A few rows on a CPU (`few_rows`: a round at low concurrency) cost far more in per-op dispatch
+than in arithmetic; their decisions are made on Python floats (`_cuts_few`) while every exp,
+log and sum stays torch's op on the same values, so they get the same τ and log Z bit for bit
+(tests/unit/test_small_batch_math.py). Larger batches and other devices take the tensor ops.
+
 Precision: logits and z stay float32 on the model's device, as the model produced them; the
 threshold decisions are made in float32 as `specdec.core.sampling.apply_processors` (the
 dense reference) makes them. log Z, p(v) and everything sampled from are float64: the
@@ -25,8 +30,11 @@ logit, all of them are kept (the dense reference keeps whichever its sort puts f
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.core.params import SamplingParams
@@ -34,6 +42,7 @@ from specdec.core.reduce import chunked
 
 WINDOW = 64  # top values examined for every sampling row (more only where a nucleus needs it)
 WIDE = 2048  # up to this many values (a window), log Z is computed all in float64
+FEW_ROWS = 8  # up to this many rows on a CPU, the decisions run on Python floats (`few_rows`)
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,15 @@ class Processed:
         p = torch.exp(z.double() - self.log_z[rows])
         return torch.where(z >= self.tau[rows], p, torch.zeros_like(p))
 
+    def prob_of(self, rows: list[int], tokens: list[int]) -> list[float]:
+        """`prob` on Python lists, for a few rows on a CPU: the same float32 division and
+        torch's exp, so the same values."""
+        logits, temperature = self.logits.numpy(), self.temperature.numpy()
+        z = [float(logits[r, t] / temperature[r]) for r, t in zip(rows, tokens)]
+        log_z, tau = self.log_z.tolist(), self.tau.tolist()
+        shifted = torch.tensor([zv - log_z[r] for r, zv in zip(rows, z)], dtype=torch.float64)
+        return [pv if zv >= tau[r] else 0.0 for r, zv, pv in zip(rows, z, shifted.exp().tolist())]
+
     def top(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k likeliest tokens of rows and their log p, float64 ([len(rows), k] each; a
         kept set smaller than k pads with −inf). From the top window: k ≤ its width."""
@@ -149,37 +167,61 @@ def _masked_lse(z: torch.Tensor, tau: torch.Tensor, z_max: torch.Tensor) -> torc
 
 
 def _full_lse(logits, temperature, tau, z_max, scaled: bool = False) -> torch.Tensor:
-    """log Σ_{z ≥ τ} exp(z) over whole rows (one pass; τ = −inf rows take every token).
+    """log Σ_{z ≥ τ} exp(z) over whole rows (one pass; τ None, or −inf on every row: every
+    token kept).
 
     `scaled` (for top-p's whole-row normaliser, which only places the cut): without a
     threshold z is scaled by 1/T instead of divided by T and exponentiated in place — a third
     of the passes on a CPU, at the price of a sum off by up to ~5e-7 relative (1/T rounds), a
     shift of the cumulative masses the cut compares with top_p of that size. A log Z that p
     itself is computed from is always summed over z divided by T, as `prob` computes z."""
-    if scaled and bool(torch.isinf(tau).all()) and logits.shape[-1] > WIDE:
-        z = logits.float() * (1.0 / temperature)[:, None]
+    every = tau is None or bool(torch.isinf(tau).all())
+    if scaled and every and logits.shape[-1] > WIDE:
+        z = logits.float() * temperature.reciprocal()[:, None]  # = 1.0 / T, bit for bit
         z.sub_(z_max[:, None]).exp_()
         return torch.log(_sum64(z)) + z_max.double()
     z = logits.float() / temperature[:, None]
-    if bool(torch.isinf(tau).all()):
-        return _lse(z, z_max)
-    return _masked_lse(z, tau, z_max)
+    return _lse(z, z_max) if every else _masked_lse(z, tau, z_max)
+
+
+def few_rows(count: int, device: torch.device) -> bool:
+    """Whether `count` rows on `device` take the small-batch path: on a CPU, up to `FEW_ROWS`
+    rows cost more in per-op dispatch (~5–10 µs a torch op, ~100 ops a pass) than in
+    arithmetic, so their bookkeeping is done on Python numbers."""
+    return device.type == "cpu" and 0 < count <= FEW_ROWS
+
+
+def row_index(rows: list[int]) -> slice | torch.Tensor:
+    """Row numbers as an index: a slice (a view, no copy) when they are consecutive."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows)
 
 
 def _thresholds(
     logits: torch.Tensor, pp: ProcessorParams, width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(τ, log Z, top z, top ids, fits) for rows of logits, looking at `width` top values.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[bool], torch.Tensor]:
+    """(τ, log Z, top z, top ids, fits, log_k) for rows of logits, looking at `width` top values.
 
     `fits` is False for a row whose top-p nucleus may extend past the window: its τ and
     log Z are not final (the caller finishes those rows). `log_k`: the log-mass top-p is
-    relative to (the top-k set's; the whole row's when top-k is off).
+    relative to (the top-k set's; the whole row's when top-k is off), for rows with top-p.
     """
     rows, vocab = logits.shape
     width = min(vocab, max(width, int(pp.top_k.max()) + 1 if rows else 1))
     values, ids = torch.topk(logits, width, dim=-1)  # [R, W], descending: order is z's
+    z = values.float() / pp.temperature.to(logits.device)[:, None]
+    cuts = _cuts_few if few_rows(rows, logits.device) and width <= WIDE else _cuts
+    tau, log_z, fits, log_k = cuts(logits, pp, z)
+    return tau, log_z, z, ids, fits, log_k
+
+
+def _cuts(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
+    """(τ, log Z, fits, log_k) of rows of logits from their top window z [R, W] (see
+    `_thresholds`): the processors' cuts as tensor ops, for any batch on any device."""
+    rows, vocab = logits.shape
+    width = z.shape[1]
     temperature = pp.temperature.to(logits.device)
-    z = values.float() / temperature[:, None]
     ninf = torch.full((rows,), float("-inf"), device=logits.device)
 
     k_on = (pp.top_k > 0) & (pp.top_k < vocab)
@@ -209,7 +251,76 @@ def _thresholds(
     if bool(past.any()):
         r = past.nonzero().squeeze(1)
         log_z[r] = _full_lse(logits[r], temperature[r], tau[r], z[r, 0])
-    return tau, log_z, z, ids, fits, log_k
+    return tau, log_z, fits.tolist(), log_k
+
+
+def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
+    """`_cuts` for a few rows on a CPU, decided on Python floats. The window's float32 values
+    compare exactly as doubles; every exp, log and sum is still torch's op on the values
+    `_cuts` gives it (Python's and numpy's exp and log differ from torch's by an ulp now and
+    then, their sums add in another order), whole-row sums go to `_full_lse` with the same
+    rows, and only the cumulative sum is Python's, adding in torch's (sequential) order. So
+    each result is `_cuts`' bit for bit."""
+    rows, vocab = logits.shape
+    width = z.shape[1]
+    narrow = width < vocab
+    window = z.tolist()  # [R][W], descending
+    top_k, top_p, min_p = pp.top_k.tolist(), pp.top_p.tolist(), pp.min_p.tolist()
+    zd = z.double()
+    shifted = torch.exp(zd - zd[:, :1])  # [R, W] exp(z − z_max), as `_lse` computes it
+
+    def pick(x: torch.Tensor, group: list[int]) -> torch.Tensor:
+        """The rows `group` of x (x itself when they are all its rows: no op)."""
+        return x if len(group) == rows else x[row_index(group)]
+
+    def lse(tau: list[float], rows_past: list[bool], scaled: bool = False) -> list[float]:
+        """log Σ_{z ≥ τ} exp(z) per row: from the window, or from the whole row where
+        `rows_past` (those rows in one `_full_lse`, as `_cuts` makes it)."""
+        out = [0.0] * rows
+        inside = [r for r in range(rows) if not rows_past[r]]
+        past = [r for r in range(rows) if rows_past[r]]
+        if inside:
+            cut = torch.tensor([[tau[r]] for r in inside], dtype=torch.float32)
+            kept = torch.where(pick(z, inside) >= cut, pick(shifted, inside), 0.0)
+            for r, log_sum in zip(inside, torch.log(kept.sum(dim=-1)).tolist()):
+                out[r] = log_sum + window[r][0]
+        if past:
+            cut = None
+            if any(tau[r] > -math.inf for r in past):
+                cut = torch.tensor([tau[r] for r in past], dtype=torch.float32)
+            z_max = pick(z, past)[:, 0]
+            sums = _full_lse(pick(logits, past), pick(pp.temperature, past), cut, z_max, scaled)
+            for r, log_sum in zip(past, sums.tolist()):
+                out[r] = log_sum
+        return out
+
+    tau_k = [window[r][k - 1] if 0 < k < vocab else -math.inf for r, k in enumerate(top_k)]
+    p_on = [p < 1.0 for p in top_p]
+    tau_p, fits, log_k = [-math.inf] * rows, [True] * rows, [math.nan] * rows
+    if any(p_on):
+        # top-p renormalises over the top-k set: its log-mass, from the window when it fits
+        k_past = [on and window[r][-1] >= tau_k[r] and narrow for r, on in enumerate(p_on)]
+        log_k = lse(tau_k, k_past, scaled=True)
+        mass = torch.exp(zd - torch.tensor(log_k, dtype=torch.float64)[:, None]).tolist()
+        for r, on in enumerate(p_on):
+            if on:  # mass strictly above each rank: the cumulative sum less the rank's own
+                before = (c - m for c, m in zip(itertools.accumulate(mass[r]), mass[r]))
+                keep = sum(b < top_p[r] and v >= tau_k[r] for b, v in zip(before, window[r]))
+                tau_p[r] = window[r][max(keep, 1) - 1]
+                fits[r] = not (max(keep, 1) == width and narrow)
+    tau = [max(tau_k[r], tau_p[r]) for r in range(rows)]
+    if any(m > 0.0 for m in min_p):
+        log_min = torch.log(pp.min_p.clamp(min=1e-300)).tolist()
+        for r, m in enumerate(min_p):
+            if m > 0.0:  # z_max + log min_p, rounded to float32 as `.float()` rounds it
+                tau[r] = max(tau[r], float(np.float32(window[r][0] + log_min[r])))
+    log_z = lse(tau, [window[r][-1] >= tau[r] and fits[r] and narrow for r in range(rows)])
+    return (
+        torch.tensor(tau, dtype=torch.float32),
+        torch.tensor(log_z, dtype=torch.float64),
+        fits,
+        torch.tensor(log_k, dtype=torch.float64),
+    )
 
 
 BINS_PER_NAT = 16  # histogram resolution of `_nucleus_cut`
@@ -261,10 +372,11 @@ def process(
     log Z is not computed (NaN) — exact for every token of the window, not beyond."""
     logits = logits if logits.dtype == torch.float32 else logits.float()
     tau, log_z, top_z, top_ids, fits, log_k = _thresholds(logits, pp, window)
-    if window_only and not bool(fits.all()):
-        log_z[~fits] = float("nan")
-        fits = torch.ones_like(fits)
-    for i in (~fits).nonzero().squeeze(1).tolist():
+    unfinished = [i for i, row_fits in enumerate(fits) if not row_fits]
+    if window_only and unfinished:
+        log_z[unfinished] = float("nan")
+        unfinished = []
+    for i in unfinished:
         row = pp[i : i + 1]
         if 0 < int(row.top_k) < logits.shape[-1]:
             t, lz, *_ = _thresholds(logits[i : i + 1], row, logits.shape[-1])

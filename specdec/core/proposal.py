@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from specdec.core.params import SamplingParams
-from specdec.core.processed import WINDOW, ProcessorParams, process
+from specdec.core.processed import WINDOW, ProcessorParams, few_rows, process
 from specdec.core.reduce import first_argmax
-from specdec.core.rng import Stream, uniform
-from specdec.core.sampling import sample_inverse_cdf
+from specdec.core.rng import Stream, uniform, uniform_scalar
+from specdec.core.sampling import inverse_cdf_index, sample_inverse_cdf
 
 WIRE_WEIGHT_MAX = 65535  # the most likely kept token gets this weight
 
@@ -69,14 +69,17 @@ def propose_step(
     sampled = [b for b in range(batch) if not token_only[b]]
     if not sampled:
         return Proposal(tokens=first_argmax(logits), dist_ids=None, dist_weights=None)
+    k = min(wire_top_k, vocab)
+    pp = ProcessorParams.of([params[b] for b in sampled], device=device)
+    rows = logits if len(sampled) == batch else logits[sampled]  # no copy when all rows sample
+    processed = process(rows, pp, window=max(WINDOW, k), window_only=True)
+    if few_rows(len(sampled), device):
+        return _draw_few(logits, processed, sampled, seeds, positions, k)
+    idx = torch.tensor(sampled, device=device)
     tokens = torch.zeros(batch, dtype=torch.int64, device=device)
     if len(sampled) < batch:  # the argmax only where it is the candidate
         only = torch.tensor([b for b in range(batch) if token_only[b]], device=device)
         tokens[only] = first_argmax(logits[only])
-    k = min(wire_top_k, vocab)
-    idx = torch.tensor(sampled, device=device)
-    pp = ProcessorParams.of([params[b] for b in sampled], device=device)
-    processed = process(logits[idx], pp, window=max(WINDOW, k), window_only=True)
     z = processed.top_z[:, :k]
     scaled = torch.exp(z.double() - z[:, :1].double()) * WIRE_WEIGHT_MAX
     weights = torch.where(z >= processed.tau[:, None], torch.round(scaled), 0.0).to(torch.int64)
@@ -87,6 +90,32 @@ def propose_step(
     choice = sample_inverse_cdf(weights, u)  # [S]
     tokens[idx] = dist_ids[idx].gather(1, choice[:, None]).squeeze(1)
     return Proposal(tokens=tokens, dist_ids=dist_ids, dist_weights=dist_weights)
+
+
+def _draw_few(logits, processed, sampled, seeds, positions, k) -> Proposal:
+    """`propose_step`'s weights and draws for a few rows on a CPU, on Python numbers: the same
+    exp (torch's), rounding (half to even) and inverse-CDF sums, so the same q̃ and tokens."""
+    batch = logits.shape[0]
+    z = processed.top_z[:, :k]
+    scaled = torch.exp(z.double() - z[:, :1].double()).tolist()
+    window, tau, ids = z.tolist(), processed.tau.tolist(), processed.top_ids[:, :k].tolist()
+    seeds, positions = seeds.tolist(), positions.tolist()
+    tokens, weights = [0] * batch, [[0] * k for _ in range(batch)]
+    for j, b in enumerate(sampled):
+        weights[b] = [
+            round(e * WIRE_WEIGHT_MAX) if v >= tau[j] else 0 for e, v in zip(scaled[j], window[j])
+        ]
+        u = uniform_scalar(seeds[b], positions[b], Stream.DRAFT)
+        tokens[b] = ids[j][inverse_cdf_index(weights[b], u)]
+    if len(sampled) == batch:
+        dist_ids = processed.top_ids[:, :k]
+    else:
+        dist_ids = torch.zeros(batch, k, dtype=torch.int64)
+        dist_ids[sampled] = processed.top_ids[:, :k]
+        only = [b for b in range(batch) if b not in sampled]  # the argmax only where it is
+        for b, token in zip(only, first_argmax(logits[only]).tolist()):
+            tokens[b] = token
+    return Proposal(torch.tensor(tokens), dist_ids, torch.tensor(weights))
 
 
 def dense_q(ids: torch.Tensor, weights: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -101,3 +130,14 @@ def encode_sparse(ids: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], 
     """Wire pairs of one q̃ row [K]: zero weights dropped."""
     keep = weights > 0
     return ids[keep].tolist(), weights[keep].tolist()
+
+
+def sparse_q(ids: list[int], weights: list[float]) -> dict[int, float]:
+    """q̃ of one position as {token: probability} from its wire ids and weights (lists): each
+    token's weights summed, then divided by the total, as `dense_q` computes it (weights are
+    integers, so the sums are exact in any order)."""
+    mass: dict[int, float] = {}
+    for token, weight in zip(ids, weights):
+        mass[token] = mass.get(token, 0.0) + weight
+    total = max(sum(weights), 1e-300)
+    return {token: weight / total for token, weight in mass.items()}

@@ -20,10 +20,11 @@ def chunked(x: torch.Tensor, reduce, size: int) -> torch.Tensor:
     (views, no copy), the last chunk possibly shorter: [R, ⌈N / size⌉]."""
     rows, n = x.shape
     whole = n - n % size
-    parts = [reduce(x[:, :whole].reshape(rows, whole // size, size), dim=-1)]
+    body = x if whole == n else x[:, :whole]
+    parts = [reduce(body.reshape(rows, whole // size, size), dim=-1)]
     if whole < n:
         parts.append(reduce(x[:, whole:], dim=-1, keepdim=True))
-    return torch.cat(parts, dim=1)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:

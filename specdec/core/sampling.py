@@ -7,6 +7,9 @@ verification preserves exactly this distribution (docs/architecture.md, invarian
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import torch
 
 from specdec.core.params import SamplingParams
@@ -81,3 +84,12 @@ def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # u * total can round up to total: fall back to the last positive weight.
     last_positive = (weights > 0).long().cumsum(dim=-1).argmax(dim=-1)
     return torch.minimum(index, last_positive)
+
+
+def inverse_cdf_index(weights: list[float], u: float) -> int:
+    """`sample_inverse_cdf` of one row of Python numbers (a few rows on a CPU): the same
+    sequential float64 sums and comparisons, so the same index."""
+    cdf = list(itertools.accumulate(map(float, weights)))
+    index = bisect.bisect_right(cdf, u * cdf[-1])  # searchsorted, right
+    last_positive = max((i for i, w in enumerate(weights) if w > 0), default=0)
+    return min(index, last_positive)

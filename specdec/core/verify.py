@@ -16,7 +16,9 @@ lossless tests check), `verify_logits` the hot path: the target's logits, the pr
 tensors and the draft's sparse q̃ — p is evaluated only at the candidates (B·γ numbers) and
 in full only at each session's first rejected (or bonus) position, one row per session; the
 sampling rows are processed (top-k/top-p/min-p) position by position for the sessions still
-accepting, so a session's rows after its first rejection are never touched.
+accepting, so a session's rows after its first rejection are never touched. A few sessions
+on a CPU take the same steps with their bookkeeping on Python numbers (`_verify_few`): the
+same result, without ~300 tensor ops of dispatch.
 """
 
 from __future__ import annotations
@@ -25,11 +27,19 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.core.processed import CHUNK, Processed, ProcessorParams, chunk_sums, process
-from specdec.core.proposal import dense_q
+from specdec.core.processed import (
+    CHUNK,
+    Processed,
+    ProcessorParams,
+    chunk_sums,
+    few_rows,
+    process,
+    row_index,
+)
+from specdec.core.proposal import dense_q, sparse_q
 from specdec.core.reduce import first_argmax
-from specdec.core.rng import Stream, uniform
-from specdec.core.sampling import sample_inverse_cdf
+from specdec.core.rng import Stream, uniform, uniform_scalar
+from specdec.core.sampling import inverse_cdf_index, sample_inverse_cdf
 
 
 @dataclass
@@ -172,6 +182,8 @@ def verify_logits(
     of each session, on the model's device). greedy: [B] bool; params: the processors of the
     sampling rows (in row order); seeds, base_positions: [B]."""
     batch, slots, vocab = logits.shape
+    if few_rows(batch, logits.device):
+        return _verify_few(logits, greedy, params, block, seeds, base_positions)
     gamma = slots - 1
     device = logits.device
     num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -206,6 +218,93 @@ def verify_logits(
     result = assemble(candidates, num_accepted, next_tokens)
     result.processed = processed
     return result
+
+
+def _verify_few(logits, greedy, params, block, seeds, base_positions) -> VerifyResult:
+    """`verify_logits` for a few sessions on a CPU, its bookkeeping on Python numbers (a
+    torch op costs ~5–10 µs of dispatch here, a Python step well under one)."""
+    batch, slots, vocab = logits.shape
+    gamma = slots - 1
+    candidates, offered = block.candidates.tolist(), block.num_candidates.tolist()
+    greedy = greedy.tolist()
+    num_accepted, next_tokens = [0] * batch, [0] * batch
+    g = [b for b in range(batch) if greedy[b]]
+    if g:  # accepted while the candidate is the argmax; the next token is the argmax
+        for b, best in zip(g, first_argmax(logits[row_index(g)]).tolist()):
+            run = 0
+            while run < offered[b] and candidates[b][run] == best[run]:
+                run += 1
+            num_accepted[b], next_tokens[b] = run, best[run]
+    s = [b for b in range(batch) if not greedy[b]]
+    processed = None
+    if s:
+        i = row_index(s)
+        sampling = DraftBlock(
+            block.candidates[i], block.num_candidates[i], block.q_ids[i], block.q_weights[i]
+        )
+        counts, tokens, processed = _verify_sampling_few(
+            logits[i].reshape(-1, vocab), params, sampling, seeds[i], base_positions[i]
+        )
+        for b, count, token in zip(s, counts, tokens):
+            num_accepted[b], next_tokens[b] = count, token
+    output = [  # accepted candidates, then the recovered/bonus token, -1 padded
+        candidates[b][:n] + [next_tokens[b]] + [-1] * (gamma - n)
+        for b, n in enumerate(num_accepted)
+    ]
+    accepted = torch.tensor(num_accepted)
+    return VerifyResult(accepted, torch.tensor(output), accepted + 1, processed)
+
+
+def _verify_sampling_few(
+    rows, params, block, seeds, base_positions
+) -> tuple[list[int], list[int], Processed]:
+    """`_accept_sampling`, then `sample_next` at each session's last position, for a few
+    sessions on a CPU: the same rows processed in the same groups (position by position,
+    the sessions still accepting together), the same uniforms, p(y) (`Processed.prob_of`)
+    and q̃(y) (`sparse_q`), so the same accepted counts, next tokens and processed rows."""
+    sessions, gamma = block.candidates.shape
+    slots = gamma + 1
+    candidates, offered = block.candidates.tolist(), block.num_candidates.tolist()
+    q_ids, q_weights = block.q_ids.tolist(), block.q_weights.tolist()  # [S][γ][K]
+    seeds, base = seeds.tolist(), base_positions.tolist()
+    n = [0] * sessions
+    going, parts = list(range(sessions)), []  # sessions whose position i is processed
+    for i in range(slots):
+        index = row_index([b * slots + i for b in going])
+        part = process(rows[index], params[row_index(going)])
+        parts.append((index, part))
+        for b in going:
+            n[b] = i
+        if i == gamma:
+            break
+        asked = [r for r, b in enumerate(going) if i < offered[b]]  # rows of `part`
+        p_y = part.prob_of(asked, [candidates[going[r]][i] for r in asked])
+        accepted = []
+        for r, p in zip(asked, p_y):
+            b = going[r]
+            q_y = sparse_q(q_ids[b][i], q_weights[b][i]).get(candidates[b][i], 0.0)
+            if uniform_scalar(seeds[b], base[b] + i, Stream.ACCEPT) < _acceptance(p, q_y):
+                accepted.append(b)
+                n[b] = i + 1
+        going = accepted
+        if not going:
+            break
+    processed = Processed.gather(rows, parts)
+    at = [min(a, gamma - 1) for a in n]  # q̃ of the position drawn at (none when γ = 0)
+    tokens = _sample_next_few(
+        processed,
+        [b * slots + a for b, a in enumerate(n)],
+        [q_ids[b][a] for b, a in enumerate(at)] if gamma else None,
+        [q_weights[b][a] for b, a in enumerate(at)] if gamma else None,
+        [a < offered[b] for b, a in enumerate(n)],
+        [uniform_scalar(seeds[b], base[b] + a, Stream.RESIDUAL) for b, a in enumerate(n)],
+    )
+    return n, tokens, processed
+
+
+def _acceptance(p: float, q: float) -> float:
+    """`acceptance_probability` of one token: min(1, p/q), 0 where q = 0."""
+    return min(p / max(q, 1e-300), 1.0) if q > 0 else 0.0
 
 
 def _accept_sampling(
@@ -266,6 +365,9 @@ def sample_next(
     boundary. A row whose kept set lies inside its top window (a peaked row: the usual case)
     is sampled from the window alone, exactly (`_sample_window`). q_ids, q_weights: [S, K]
     q̃ of each row's position (None: no candidates)."""
+    if few_rows(len(rows), rows.device):
+        args = (x if x is None else x.tolist() for x in (rows, q_ids, q_weights, rejected, u))
+        return torch.tensor(_sample_next_few(processed, *args))
     tokens = torch.empty(len(rows), dtype=torch.int64, device=rows.device)
     inside = processed.top_z[rows, -1] < processed.tau[rows]  # nothing kept past the window
     if processed.top_z.shape[1] >= processed.logits.shape[1]:
@@ -277,6 +379,58 @@ def sample_next(
             qw = None if q_weights is None else q_weights[r]
             tokens[r] = sample(processed, rows[r], qi, qw, rejected[r], u[r])
     return tokens
+
+
+def _sample_next_few(processed, rows, q_ids, q_weights, rejected, u) -> list[int]:
+    """`sample_next` for a few rows on a CPU, every argument a list (q_ids, q_weights: [S][K]
+    or None). A row whose kept set is inside the window is drawn as `_sample_window` draws
+    it, on Python numbers (torch's exp, the same sequential sums and comparisons); the
+    others by `_sample_chunks`."""
+    tokens = [0] * len(rows)
+    last, tau = processed.top_z[:, -1].tolist(), processed.tau.tolist()
+    whole = processed.top_z.shape[1] >= processed.logits.shape[1]
+    inside = [j for j, r in enumerate(rows) if whole or last[r] < tau[r]]
+    if inside:
+        i = row_index([rows[j] for j in inside])
+        top_z, log_z = processed.top_z[i], processed.log_z[i]
+        p = torch.exp(top_z.double() - log_z[:, None]).tolist()
+        for j, z, p_row, ids in zip(inside, top_z.tolist(), p, processed.top_ids[i].tolist()):
+            kept = [(t, pv) for t, pv, zv in zip(ids, p_row, z) if zv >= tau[rows[j]]]
+            q = sparse_q(q_ids[j], q_weights[j]) if q_ids is not None and rejected[j] else None
+            tokens[j] = _draw_window(kept, q, u[j])
+    out = [j for j in range(len(rows)) if j not in inside]
+    if out:
+        qi = None if q_ids is None else torch.tensor([q_ids[j] for j in out])
+        qw = (
+            None
+            if q_weights is None
+            else torch.tensor([q_weights[j] for j in out], dtype=torch.float64)
+        )
+        drawn = _sample_chunks(
+            processed,
+            torch.tensor([rows[j] for j in out]),
+            qi,
+            qw,
+            torch.tensor([rejected[j] for j in out]),
+            torch.tensor([u[j] for j in out], dtype=torch.float64),
+        )
+        for j, token in zip(out, drawn.tolist()):
+            tokens[j] = token
+    return tokens
+
+
+def _draw_window(kept: list[tuple[int, float]], q: dict[int, float] | None, u: float) -> int:
+    """One `_sample_window` draw on Python numbers from the kept (token, p) pairs of a window
+    (its other tokens add zeros to the CDF, so leaving them out changes no sum): p, or where
+    q̃ is given the residual max(p − q̃, 0) (p where it has no mass: rounding only), by
+    inverse CDF in vocabulary order."""
+    kept = sorted(kept)  # vocabulary order (tokens are distinct)
+    tokens, p = [t for t, _ in kept], [pv for _, pv in kept]
+    if q is not None:
+        residual = [max(pv - q.get(t, 0.0), 0.0) for t, pv in kept]
+        if any(r > 0 for r in residual):
+            p = residual
+    return tokens[inverse_cdf_index(p, u)]
 
 
 def _normalised(q_weights: torch.Tensor) -> torch.Tensor:
