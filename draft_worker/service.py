@@ -6,6 +6,7 @@ import time
 
 from draft_worker.engine import ProposeItem
 from specdec.errors import InvalidArgument
+from specdec.serving.callstream import serve_calls
 from specdec.serving.rpc import rpc
 from specdec.serving.wire import sampling_from_proto
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -77,4 +78,6 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
         )
 
     async def ProposeStream(self, requests, context):
-        await self.serve_calls(requests, context, self.Propose, draft_pb2.ProposeReply)
+        """Calls of Propose on one stream (specdec/serving/callstream.py); it ends when the
+        worker drains."""
+        await serve_calls(requests, context, self.Propose, draft_pb2.ProposeReply, self.closing)

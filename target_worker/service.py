@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from specdec.errors import InvalidArgument
+from specdec.serving.callstream import serve_calls
 from specdec.serving.rpc import rpc
 from specdec.serving.wire import (
     check_draft_dists,
@@ -102,7 +103,9 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
         )
 
     async def VerifyStream(self, requests, context):
-        await self.serve_calls(requests, context, self.Verify, target_pb2.VerifyReply)
+        """Calls of Verify on one stream (specdec/serving/callstream.py); it ends when the
+        worker drains."""
+        await serve_calls(requests, context, self.Verify, target_pb2.VerifyReply, self.closing)
 
     @rpc
     async def Prefill(self, request, context):

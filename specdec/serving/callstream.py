@@ -59,8 +59,7 @@ class CallAborted(grpc.aio.AbortError):
 class CallContext:
     """What a unary handler uses of its gRPC context, for one call carried by a stream."""
 
-    def __init__(self, stream_context, metadata):
-        self._stream = stream_context
+    def __init__(self, metadata):
         self._metadata = tuple(metadata.items())
 
     def invocation_metadata(self):
@@ -71,12 +70,6 @@ class CallContext:
 
     async def abort(self, code: grpc.StatusCode, details: str = ""):
         raise CallAborted(code, details)
-
-    def peer(self) -> str:
-        return self._stream.peer()
-
-    def auth_context(self):
-        return self._stream.auth_context()
 
 
 async def serve_calls(requests, context, handler, reply_cls, closing: asyncio.Event) -> None:
@@ -90,7 +83,7 @@ async def serve_calls(requests, context, handler, reply_cls, closing: asyncio.Ev
 
     async def answer(call) -> None:
         reply = reply_cls(call_id=call.call_id)
-        work = handler(call.request, CallContext(context, call.metadata))
+        work = handler(call.request, CallContext(call.metadata))
         try:
             timeout = call.timeout_ms / 1000 if call.timeout_ms else None
             reply.response.CopyFrom(await asyncio.wait_for(work, timeout))

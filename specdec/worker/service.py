@@ -6,7 +6,6 @@ import asyncio
 
 from specdec.errors import Exhausted
 from specdec.serving import telemetry
-from specdec.serving.callstream import serve_calls
 from specdec.serving.rpc import rpc
 from specdec.serving.wire import check_session_id
 from specdec.v1 import common_pb2
@@ -88,11 +87,6 @@ class WorkerService:
             m.forward_seconds.record(run.forward_ns / 1e9, m.attrs)
             m.queue_seconds.record(run.queue_ns / 1e9, m.attrs)
             m.tokens.add(tokens, m.attrs)
-
-    async def serve_calls(self, requests, context, handler, reply_cls) -> None:
-        """A call stream (ProposeStream, VerifyStream): each call through `handler`, the unary
-        method; the stream ends when the worker drains (specdec/serving/callstream.py)."""
-        await serve_calls(requests, context, handler, reply_cls, self.closing)
 
     @rpc
     async def Release(self, request, context):
