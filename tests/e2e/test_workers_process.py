@@ -1,5 +1,6 @@
 """Draft and target workers as real processes: READY, health, Redis registry, a round across
-the two processes, and a graceful SIGTERM (NOT_SERVING, deregistered, exit 0 in the grace)."""
+the two processes (also on the call streams), and a graceful SIGTERM (NOT_SERVING,
+deregistered, call streams ended, exit 0 in the grace)."""
 
 from __future__ import annotations
 
@@ -153,6 +154,7 @@ def test_workers_serve_register_and_drain_on_sigterm(model_dirs, redis_url):
         role: WorkerProcess(role, model_dirs[role], redis_url) for role in ("target", "draft")
     }
     channels = {}
+    held_open = threading.Event()  # the caller's side of the call streams stays open
     try:
         for role, worker in workers.items():
             assert worker.wait_ready(READY_TIMEOUT_S) == f"READY {role} {worker.address}"
@@ -188,6 +190,48 @@ def test_workers_serve_register_and_drain_on_sigterm(model_dirs, redis_url):
         expected = history[len(prompt) :]
         assert list(result.output_ids) == expected
 
+        # a call stream to each worker, answered as the unary call, then held open by the
+        # caller through the drain: the worker must end it, not wait out its grace for it
+        def calls(message):
+            yield message
+            held_open.wait(GRACE_S + 30)
+
+        again = common_pb2.Base(
+            session_id="e2e-stream",
+            epoch=1,
+            base_len=len(prompt),
+            base_fingerprint=fingerprint(prompt),
+        )
+        streams = {
+            "target": target_pb2_grpc.TargetWorkerStub(channels["target"]).VerifyStream(
+                calls(
+                    target_pb2.VerifyCall(
+                        call_id=1,
+                        request=target_pb2.VerifyRequest(
+                            base=again, delta=delta, candidate_ids=proposal.candidate_ids
+                        ),
+                        timeout_ms=60_000,
+                    )
+                )
+            ),
+            "draft": draft_pb2_grpc.DraftWorkerStub(channels["draft"]).ProposeStream(
+                calls(
+                    draft_pb2.ProposeCall(
+                        call_id=1,
+                        request=draft_pb2.ProposeRequest(
+                            base=again, delta=delta, num_speculative_tokens=4
+                        ),
+                        timeout_ms=60_000,
+                    )
+                )
+            ),
+        }
+        verified, proposed = next(streams["target"]), next(streams["draft"])
+        assert verified.call_id == 1 and not verified.status.code
+        assert list(verified.response.output_ids) == expected
+        assert proposed.call_id == 1 and not proposed.status.code
+        assert list(proposed.response.candidate_ids) == list(proposal.candidate_ids)
+
         watches = {role: HealthWatch(channel) for role, channel in channels.items()}
         for role, watch in watches.items():
             assert watch.serving.wait(10), f"{role} health watch never saw SERVING"
@@ -202,7 +246,9 @@ def test_workers_serve_register_and_drain_on_sigterm(model_dirs, redis_url):
             assert watches[role].not_serving.is_set(), watches[role].statuses
             assert registered(redis_url, role) == [], f"{role} is still registered"
             assert "Traceback" not in worker.logs(), worker.logs()
+            assert list(streams[role]) == []  # the worker ended its call stream: OK, no more
     finally:
+        held_open.set()
         for channel in channels.values():
             channel.close()
         for worker in workers.values():
