@@ -46,7 +46,10 @@ def secure(model_dirs):
     )
     with Stack(settings) as running:
         running.second_port = free_port()
-        running.add_coordinator(running.second_port, name="coordinator-b")
+        # INFO: the tests wait for its "target worker … joined/unreachable" lines
+        running.add_coordinator(
+            running.second_port, name="coordinator-b", extra=["--log-level", "info"]
+        )
         yield running
 
 
@@ -210,6 +213,18 @@ class LiarProcess:
             if line.startswith("READY"):
                 self.ready.set()
 
+    def seen_by(self, stack, coordinator: str, word: str, timeout_s: float = 60.0) -> None:
+        """Wait until `coordinator` logs this worker with `word` ("joined", "unreachable"):
+        its registry refresh has reached the liar (a fixed sleep raced it on a loaded CI)."""
+        child = stack.child(coordinator)
+        needle = f"target worker {self.address} {word}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(needle in line for line in list(child.lines)):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"{coordinator} never logged {needle!r}:\n{child.tail(30)}")
+
     def corrupted(self) -> int:
         return sum(line.startswith("CORRUPTED") for line in self.lines)
 
@@ -224,7 +239,7 @@ class LiarProcess:
 def test_a_compromised_worker_is_failed_over_and_output_stays_exact(secure, hf, mode):
     liar = LiarProcess(secure, mode, with_certificate=True)
     try:
-        time.sleep(4.5)  # two registry refreshes: every live coordinator connects to it
+        liar.seen_by(secure, "coordinator-b", "joined")
         prompt = PROMPTS[0]
         with client(secure, f"127.0.0.1:{secure.second_port}") as c:
             out = c.generate(prompt, max_new_tokens=24, ignore_eos=True)
@@ -238,7 +253,7 @@ def test_a_compromised_worker_is_failed_over_and_output_stays_exact(secure, hf, 
 def test_a_worker_without_a_cluster_certificate_never_joins(secure, hf):
     liar = LiarProcess(secure, "extra", with_certificate=False)
     try:
-        time.sleep(4.5)
+        liar.seen_by(secure, "coordinator-b", "unreachable")
         with client(secure, f"127.0.0.1:{secure.second_port}") as c:
             out = c.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True)
         assert list(out.token_ids) == hf_greedy(hf, PROMPTS[1], 24)
