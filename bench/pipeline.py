@@ -33,15 +33,15 @@ GAMMAS = (2, 4, None)
 STACKS = ("off", "on", "auto")
 
 
-def measure(address: str, prompts: list[list[int]], tokens: int) -> dict:
+def measure(address: str, prompts: list[list[int]], tokens: int, gammas: tuple = GAMMAS) -> dict:
     """Every (mode, γ) over the prompts at concurrency 1, through the coordinator at
     `address`."""
     results = {}
     with Client(address, timeout_s=600) as client:
         client.generate(prompts[0], max_new_tokens=8, ignore_eos=True)  # warm-up
         for mode, sampling in MODES.items():
-            for gamma in GAMMAS:
-                generated = rounds = ahead = 0
+            for gamma in gammas:
+                generated = rounds = ahead = drafts = drafted = 0
                 seconds, outputs = 0.0, []
                 for i, prompt in enumerate(prompts):
                     out = client.generate(
@@ -56,29 +56,46 @@ def measure(address: str, prompts: list[list[int]], tokens: int) -> dict:
                     generated += s.generated_tokens
                     rounds += s.rounds
                     ahead += s.drafted_ahead
+                    drafts += s.drafts
+                    drafted += s.draft_tokens
                     seconds += (s.total_time_ms - s.time_to_first_token_ms) / 1000
                     outputs.append(list(out.token_ids))
                 results[f"{mode}/{gamma}"] = {
                     "tokens_per_s": (generated - len(prompts)) / seconds,
                     "rounds": rounds,
                     "drafted_ahead": ahead,
+                    "drafts": drafts,  # rounds with candidates
+                    "draft_tokens": drafted,
                     "outputs": outputs,
                 }
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specdec bench pipeline", description=__doc__)
-    p.add_argument("--prompts", type=int, default=8)
+def pair_arguments(
+    command: str, doc: str, prompts: int, repeats: int, out: str
+) -> argparse.ArgumentParser:
+    """The flags every A/B bench of the code pair at concurrency 1 takes (this module's,
+    bench.streams', bench.confidence's); the caller adds its own."""
+    p = argparse.ArgumentParser(prog=f"specdec bench {command}", description=doc)
+    p.add_argument("--prompts", type=int, default=prompts)
     p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--target-model", default="models/target")
     p.add_argument("--draft-model", default="models/draft")
     p.add_argument("--heldout", default="models/heldout_files.txt")
-    p.add_argument("--out", default="results/pipeline")
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=out)
+    return p
+
+
+def held_out(args) -> list[list[int]]:
+    """The `--prompts` held-out prompts (64 tokens each) in the target's tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    prompts, _ = heldout_prompts(tokenizer, args.prompts, 64, args.heldout)
+    return heldout_prompts(tokenizer, args.prompts, 64, args.heldout)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = pair_arguments("pipeline", __doc__, 8, 2, "results/pipeline").parse_args(argv)
+    prompts = held_out(args)
     runs: dict[str, list[dict]] = {name: [] for name in STACKS}
     for repeat in range(args.repeats):
         for name in STACKS:

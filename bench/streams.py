@@ -22,17 +22,14 @@ batcher's hand-off), median over the rounds after the third.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
 import time
 
 import grpc
-from transformers import AutoTokenizer
 
-from bench.pipeline import measure
-from bench.prompts import heldout_prompts
+from bench.pipeline import held_out, measure, pair_arguments
 from bench.report import save
 from specdec.core.prefix import fingerprint
 from specdec.launcher.stack import Stack, StackSettings
@@ -98,17 +95,8 @@ async def direct_overheads(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specdec bench streams", description=__doc__)
-    p.add_argument("--prompts", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--target-model", default="models/target")
-    p.add_argument("--draft-model", default="models/draft")
-    p.add_argument("--heldout", default="models/heldout_files.txt")
-    p.add_argument("--out", default="results/streams")
-    args = p.parse_args(argv)
-    tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    prompts, _ = heldout_prompts(tokenizer, args.prompts, 64, args.heldout)
+    args = pair_arguments("streams", __doc__, 6, 3, "results/streams").parse_args(argv)
+    prompts = held_out(args)
     runs: dict[str, list[dict]] = {"streams": [], "unary": []}
     with Stack(StackSettings(args.target_model, args.draft_model, port=free_port())) as stack:
         unary = free_port()

@@ -538,15 +538,25 @@ class AdaptiveGamma:
             + (f"; {c.plan.describe(self.planning_alpha())}" if self.batched() else "")
         )
 
-    def observe(self, gamma: int, accepted: int, rejected: bool, timing: RoundTiming) -> None:
-        """Record one finished round: candidates accepted, whether one was rejected, timings."""
+    def observe(
+        self,
+        gamma: int,
+        accepted: int,
+        rejected: bool,
+        timing: RoundTiming,
+        asked: int | None = None,
+    ) -> None:
+        """Record one finished round: candidates accepted, whether one was rejected, timings.
+        `gamma` counts the candidates verified; `asked`, the γ chosen for the round (more when
+        the draft stopped early, --draft-confidence): the batch plan measures the γ it chose."""
         if gamma < 0 or not 0 <= accepted <= gamma or rejected != (accepted < gamma):
             raise ValueError(
                 f"inconsistent round: gamma={gamma}, accepted={accepted}, rejected={rejected}"
             )
         self.costs.observe(gamma, timing)
         if self._ticket is not None:
-            self.costs.plan.observe(self._ticket, gamma, timing.round_s)
+            chosen = gamma if asked is None else asked
+            self.costs.plan.observe(self._ticket, chosen, timing.round_s)
             self._ticket = None
         if gamma > 0:
             self._acceptance.observe(accepted, rejected)

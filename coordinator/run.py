@@ -49,6 +49,7 @@ class Ahead:
     task: asyncio.Task
     gamma: int  # this round's γ (the block it follows)
     address: str  # the draft worker asked
+    asked: int = 0  # the next round's γ it was asked for (more than it holds if it stopped early)
 
 
 @dataclass
@@ -151,6 +152,7 @@ class SessionRun:
         self.policy = AdaptiveGamma(ctx.settings.max_speculative_tokens, ctx.costs)
         self.ahead: Ahead | None = None  # the next block, drafting while this round verifies
         self.ready: draft_pb2.ProposeResponse | None = None  # a drafted-ahead block now valid
+        self.ready_asked = 0  # the γ that block was asked for
         self.finish_reason: FinishReason | None = None
         self.changed = asyncio.Event()
         self.cancel_requested = False
@@ -223,12 +225,12 @@ class SessionRun:
 
     async def round(self) -> RoundOutcome:
         t0 = time.perf_counter()
-        proposal, overlapped = self.ready, self.ready is not None
+        proposal, overlapped, asked = self.ready, self.ready is not None, self.ready_asked
         self.ready = None
         if proposal is None:
             await self._reattach_draft()
-            gamma = self.choose_gamma()
-            proposal = await self.propose(gamma) if gamma > 0 else None
+            asked = self.choose_gamma()
+            proposal = await self.propose(asked) if asked > 0 else None
         t1 = time.perf_counter()
         self.stats.drafted_ahead += int(overlapped)
         self.ahead = self.draft_ahead(proposal)
@@ -252,7 +254,7 @@ class SessionRun:
             self.ahead = None
         round_s = time.perf_counter() - t0
         marks = (t0, t1, t2, time.perf_counter() - t3)
-        self.record_round(outcome, proposal, result, marks, round_s, overlapped)
+        self.record_round(outcome, proposal, result, marks, round_s, overlapped, asked)
         return outcome
 
     async def landed(self) -> None:
@@ -319,6 +321,7 @@ class SessionRun:
                 num_speculative_tokens=gamma,
                 sampling=self.processors,
                 seed=self.record.seed,
+                min_confidence=self.ctx.settings.draft_confidence,
             ),
             gamma,
             keep_gamma=self.record.gamma is not None,
@@ -360,11 +363,12 @@ class SessionRun:
             num_speculative_tokens=next_gamma + 1,
             sampling=self.processors,
             seed=self.record.seed,
+            min_confidence=self.ctx.settings.draft_confidence,
         )
         task = asyncio.create_task(
             self._propose_ahead(optimistic, build, next_gamma + 1, len(self.committed))
         )
-        return Ahead(task, gamma, worker.address)
+        return Ahead(task, gamma, worker.address, next_gamma)
 
     async def _propose_ahead(self, optimistic, build, steps: int, held: int):
         """The call behind `draft_ahead`, in a `specdec.draft_ahead` span of the round."""
@@ -404,6 +408,7 @@ class SessionRun:
         if not hit:
             return None
         self.links.draft.synced = len(self.committed)  # the guess was right: it holds all of it
+        self.ready_asked = ahead.asked
         return after_guess(answer)
 
     async def verify(self, proposal) -> target_pb2.VerifyResponse:
@@ -495,10 +500,18 @@ class SessionRun:
         return self.stats.as_dict(len(self.prompt), len(self.generated), time.time() - self.started)
 
     def record_round(
-        self, outcome: RoundOutcome, proposal, result, marks, round_s: float, overlapped: bool
+        self,
+        outcome: RoundOutcome,
+        proposal,
+        result,
+        marks,
+        round_s: float,
+        overlapped: bool,
+        asked: int,
     ) -> None:
         """Step 7: metrics, the policy's observations and the debug log. `overlapped`: the
-        round's candidates were drafted ahead, during the previous round's verify."""
+        round's candidates were drafted ahead, during the previous round's verify; `asked`:
+        the γ the draft was asked for (more than it proposed when it stopped early)."""
         t0, t1, t2, ahead_wait_s = marks
         gamma, accepted = outcome.gamma, outcome.accepted
         self._observe_metrics(gamma, accepted, outcome.tokens, outcome.reason, round_s)
@@ -518,7 +531,7 @@ class SessionRun:
         if proposal is not None and gamma:
             timing.draft_forward_s = proposal.forward_ns / 1e9
             timing.draft_queue_s = proposal.queue_ns / 1e9
-        self.policy.observe(gamma, accepted, accepted < gamma, timing)
+        self.policy.observe(gamma, accepted, accepted < gamma, timing, asked=asked)
         self.ctx.shedder.observe(t2 - t1)
         log.debug(
             "session %s round %d: γ=%d accepted=%d draft %.1f ms verify %.1f ms round %.1f ms",

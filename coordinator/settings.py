@@ -108,6 +108,13 @@ class CoordinatorSettings(SecurityFlags):
         "coordinator's verify batches average under 1.5 sessions, when the draft would idle)",
         ["auto", "on", "off"],
     )
+    draft_confidence: float = opt(
+        0.0,
+        "the draft stops a block early after a candidate it gave less than this probability "
+        "(q̃ of the candidate when sampling; its softmax at the argmax when greedy), so a "
+        "round asks the target to verify only what the draft is sure of; lossless; 0 = off, "
+        "always the whole γ (Hugging Face's assistant_confidence_threshold is this idea)",
+    )
     worker_streams: bool = opt(
         True,
         "carry Propose and Verify calls on one long-lived stream per worker (about half the "

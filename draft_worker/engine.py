@@ -1,7 +1,9 @@
 """Draft proposers. One module concept: propose γ candidates for many sessions at once.
 
 - ModelProposer: a small causal LM; each draft step is ONE batched forward across sessions
-  of different lengths; candidates are sampled from q̃ (or argmax when token-only).
+  of different lengths; candidates are sampled from q̃ (or argmax when token-only). A
+  session asking for it (`min_confidence`) stops early after a candidate the draft was unsure
+  of: the next position is then drawn by the target from p, so the text's law is unchanged.
 - NgramProposer: prompt lookup — no model; the continuation of the most recent earlier
   occurrence of the history's last n tokens (token-only, so q̃ is one-hot).
 """
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.core.params import SamplingParams
-from specdec.core.proposal import encode_sparse, propose_step
+from specdec.core.proposal import encode_sparse, propose_step, sparse_q
 from specdec.core.rng import seed_tensor
 from specdec.engine.kv import KVSession
 from specdec.engine.model import ModelRuntime
@@ -28,6 +30,7 @@ class ProposeItem:
     params: SamplingParams
     seed: int
     token_only: bool
+    min_confidence: float = 0.0  # stop after a candidate the draft gave less (0 = never)
 
 
 @dataclass
@@ -59,8 +62,11 @@ class ModelProposer:
             for item in items
         ]
         inputs = [item.session.pending() for item in items]
+        stopped = [False] * len(items)  # the draft was unsure of its last candidate
         for step in range(max(item.gamma for item in items)):
-            active = [i for i, item in enumerate(items) if step < item.gamma]
+            active = [i for i, item in enumerate(items) if step < item.gamma and not stopped[i]]
+            if not active:
+                break
             last = self.runtime.forward(
                 [items[i].session for i in active], [inputs[i] for i in active], keep=1
             )[:, -1]  # [A, vocab], on the model's device
@@ -77,14 +83,33 @@ class ModelProposer:
             tokens = proposal.tokens.tolist()
             if proposal.dist_ids is not None:
                 dist_ids, dist_weights = proposal.dist_ids.cpu(), proposal.dist_weights.cpu()
+            sure = greedy_confidence(last, [items[i] for i in active])
             for row, i in enumerate(active):
                 outcomes[i].candidates.append(tokens[row])
                 if not items[i].token_only:
                     ids, weights = encode_sparse(dist_ids[row], dist_weights[row])
                     outcomes[i].dist_ids.append(ids)
                     outcomes[i].dist_weights.append(weights)
+                    if items[i].min_confidence > 0:
+                        confidence = sparse_q(ids, weights).get(tokens[row], 0.0)
+                        stopped[i] = confidence < items[i].min_confidence
+                elif row in sure:
+                    stopped[i] = sure[row] < items[i].min_confidence
                 inputs[i] = [tokens[row]]
         return outcomes
+
+
+def greedy_confidence(logits: torch.Tensor, items: list[ProposeItem]) -> dict[int, float]:
+    """row → the draft's softmax probability of its argmax, for the token-only (greedy) rows
+    of logits [A, vocab] that stop on low confidence: max p = 1 / Σ exp(l − l_max). Its raw
+    logits, as Hugging Face's assistant_confidence_threshold reads a greedy assistant."""
+    rows = [r for r, item in enumerate(items) if item.token_only and item.min_confidence > 0]
+    if not rows:
+        return {}
+    picked = logits[rows].float()
+    top = picked.max(dim=-1).values
+    confidence = torch.exp(top - torch.logsumexp(picked, dim=-1))
+    return dict(zip(rows, confidence.tolist()))
 
 
 class NgramProposer:

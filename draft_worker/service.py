@@ -43,6 +43,8 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
             raise InvalidArgument(
                 f"num_speculative_tokens must be in [1, {self.settings.max_speculative_tokens}], got {gamma}"
             )
+        if not 0.0 <= request.min_confidence < 1.0:
+            raise InvalidArgument(f"min_confidence must be in [0, 1), got {request.min_confidence}")
         params = sampling_from_proto(request.sampling)
         gamma = min(gamma, self.proposer.max_context - request.base.base_len)
         token_only = params.greedy or self.proposer.kind == "ngram"
@@ -53,7 +55,13 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
                     token_only=token_only, total_ns=time.perf_counter_ns() - start
                 )
             item = ProposeItem(
-                session, request.base.base_len, gamma, params, request.seed, token_only
+                session,
+                request.base.base_len,
+                gamma,
+                params,
+                request.seed,
+                token_only,
+                request.min_confidence,
             )
             self.table.enforce_memory()  # before the pass, not only after it
             run = await self.batcher.submit(item, gamma)
@@ -62,7 +70,7 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
             # with n accepted the caller sends the delta from base_len + n whatever n is
             session.tokens[request.base.base_len :] = outcome.candidates
         self.table.enforce_memory()
-        self.record_batch(run, outcome.computed_tokens + gamma)
+        self.record_batch(run, outcome.computed_tokens + len(outcome.candidates))
         dists = [
             common_pb2.SparseDist(token_ids=ids, weights=weights)
             for ids, weights in zip(outcome.dist_ids, outcome.dist_weights)

@@ -41,6 +41,7 @@ SERVICES = {
     "bench chaos": "bench.chaos",
     "bench pipeline": "bench.pipeline",
     "bench streams": "bench.streams",
+    "bench confidence": "bench.confidence",
     "bench kernels": "bench.kernels",
 }
 

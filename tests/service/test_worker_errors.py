@@ -214,10 +214,20 @@ def gamma_of(value: int):
     return mutate
 
 
+def confidence_of(value: float):
+    def mutate(request, victim):
+        request.min_confidence = value
+
+    return mutate
+
+
 PROPOSE = {
     **COMMON,
     "gamma-above-limit": (gamma_of(17), INVALID, "num_speculative_tokens"),
     "gamma=0": (gamma_of(0), INVALID, "num_speculative_tokens"),
+    "min_confidence=1": (confidence_of(1.0), INVALID, "min_confidence"),
+    "min_confidence<0": (confidence_of(-0.1), INVALID, "min_confidence"),
+    "min_confidence=nan": (confidence_of(math.nan), INVALID, "min_confidence"),
 }
 
 

@@ -411,3 +411,23 @@ def test_batch_plan_windows_measure_and_probe():
     assert plan.rate(2, 0.7) == pytest.approx(rate[2])  # only the rounds that count
     plan.passes += 101 * 4  # long ago: no longer counts
     assert plan.rate(2, 0.7) is None
+
+
+@pytest.mark.parametrize("report_asked", [True, False])
+def test_the_batch_plan_measures_rounds_whose_draft_stopped_early(report_asked):
+    """--draft-confidence: a round may verify fewer candidates than the γ the plan chose. The
+    plan measures the γ it chose (`asked`); reported by the candidates alone, windows whose
+    drafts stop early measure nothing (the negative control)."""
+    costs = CostModel()
+    sessions = [AdaptiveGamma(max_gamma=8, costs=costs, explore_every=0) for _ in range(4)]
+    sim = Sim(0.7, 0.002, 0.02, 0.0008, 0.003, batch=4)
+    for n in range(120):
+        gamma = {policy.choose() for policy in sessions}.pop()
+        offered = max(gamma - 1, 0)  # every block cut one candidate short
+        for policy in sessions:
+            timing = sim.timing(offered)
+            timing.batch_seq, timing.worker = n + 1, "t0"
+            asked = {"asked": gamma} if report_asked else {}
+            policy.observe(offered, offered, False, timing, **asked)
+    measured = {g for g in costs.plan.measured if g > 1}
+    assert bool(measured) == report_asked, costs.plan.measured
