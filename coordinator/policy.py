@@ -163,8 +163,8 @@ class BatchPlan:
 
     PROBES = ("off", "neighbour", "model", "neighbour")
 
-    window_passes: int = 8
-    settle_passes: int = 2
+    window_passes: int = 4
+    settle_passes: int = 1
     probe_every: int = 6
     max_age: int = 12
     min_rounds: int = 4
