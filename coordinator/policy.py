@@ -402,6 +402,7 @@ class AdaptiveGamma:
         self._zero_period = explore_every  # rounds between probes from 0 (doubling, capped)
         self.pipeline = "off"  # on | auto | off: rounds draft the next block during a verify
         self._ticket: tuple[int, bool] | None = None  # the batch plan's, for the next round
+        self._planned: int | None = None  # the plan's γ this session's last round used
 
     @property
     def alpha(self) -> float:
@@ -504,9 +505,15 @@ class AdaptiveGamma:
         if self.batched():
             gamma = self._plan()
             window, settled = self.costs.plan.ticket(self.costs.passes)
-            # a session's first rounds (its prompt's prefill, joining a batch) do not count
-            self._ticket = window, settled and self._calls > FIRST_ROUNDS
+            # a session's first rounds (its prompt's prefill, joining a batch) do not count,
+            # nor its first round at a new γ: from γ = 0 the draft first catches up on every
+            # token committed meanwhile (and pads its pass with them), a cost of the switch —
+            # paid by every probe up from 0 and by none down to it — not of the γ
+            same = self._planned == gamma
+            self._planned = gamma
+            self._ticket = window, settled and same and self._calls > FIRST_ROUNDS
             return gamma
+        self._planned = None
         best = self._argmax()
         probe_again, self._probe_again = self._probe_again, False
         self._probing_from_zero = False

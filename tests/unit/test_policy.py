@@ -458,3 +458,30 @@ def test_the_batch_plan_measures_rounds_whose_draft_stopped_early(report_asked):
             policy.observe(offered, offered, False, timing, **asked)
     measured = {g for g in costs.plan.measured if g > 1}
     assert bool(measured) == report_asked, costs.plan.measured
+
+
+def test_a_sessions_first_round_at_a_new_plan_gamma_is_not_measured():
+    """From γ = 0 the draft first catches up on every token committed meanwhile: a cost of
+    the switch (paid by every probe up from 0, by none down to it), not of the γ. So a
+    batched session's first round at a new plan γ never counts towards the window — also
+    for a session that comes to choose after the window settled (rounds are not in step)."""
+    costs = CostModel()
+    sessions = [AdaptiveGamma(max_gamma=8, costs=costs, explore_every=0) for _ in range(2)]
+    sim = Sim(0.7, 0.002, 0.02, 0.0008, 0.003, batch=8)
+    previous, switches, counted, seq = [None, None], 0, 0, 0
+    for n in range(300):
+        for i, policy in enumerate(sessions):
+            gamma = policy.choose()
+            if n > 10 and policy.batched():
+                if gamma != previous[i]:
+                    switches += 1
+                    assert not policy._ticket[1], (n, i, previous[i], gamma)
+                counted += policy._ticket[1]
+            previous[i] = gamma
+            for _ in range(2):  # this session's pass, then one of the others'
+                seq += 1
+                timing = sim.timing(gamma)
+                timing.batch_seq, timing.worker = seq, "t0"
+                costs.observe(gamma, timing)
+            policy.observe(gamma, min(gamma, 2), gamma > 2, sim.timing(gamma))
+    assert switches >= 10 and counted >= 100  # the plan moved, and windows were measured
