@@ -42,6 +42,7 @@ SERVICES = {
     "bench pipeline": "bench.pipeline",
     "bench streams": "bench.streams",
     "bench confidence": "bench.confidence",
+    "bench policy-ab": "bench.policy_ab",
     "bench kernels": "bench.kernels",
 }
 
