@@ -74,8 +74,8 @@ def measure(address: str, prompts: list[list[int]], tokens: int, gammas: tuple =
 def pair_arguments(
     command: str, doc: str, prompts: int, repeats: int, out: str
 ) -> argparse.ArgumentParser:
-    """The flags every A/B bench of the code pair at concurrency 1 takes (this module's,
-    bench.streams', bench.confidence's); the caller adds its own."""
+    """The flags every A/B bench of the code pair takes (this module's, bench.streams',
+    bench.confidence's, bench.policy_ab's); the caller adds its own."""
     p = argparse.ArgumentParser(prog=f"specdec bench {command}", description=doc)
     p.add_argument("--prompts", type=int, default=prompts)
     p.add_argument("--tokens", type=int, default=96)

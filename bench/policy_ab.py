@@ -17,7 +17,6 @@ between runs of the same configuration: single runs prove nothing here).
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import shutil
@@ -27,17 +26,13 @@ import sys
 import tempfile
 import time
 
-from bench.prompts import heldout_prompts
+from bench.pipeline import MODES, held_out, pair_arguments
 from bench.report import save
 from bench.serving import run_load_sync
 from specdec.launcher.stack import Stack, StackSettings
 from specdec.serving.redis_embedded import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = {
-    "greedy": {"temperature": 0.0, "top_p": 1.0},
-    "sampling": {"temperature": 0.8, "top_p": 0.95},
-}
 
 
 def worktree(revision: str, into: str) -> str:
@@ -53,21 +48,12 @@ def worktree(revision: str, into: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specdec bench policy-ab", description=__doc__)
+    p = pair_arguments("policy-ab", __doc__, 24, 3, "results/policy_ab")
     p.add_argument("--baseline", required=True, help="git revision whose coordinator to compare")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--prompts", type=int, default=24)
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--target-model", default="models/target")
-    p.add_argument("--draft-model", default="models/draft")
-    p.add_argument("--heldout", default="models/heldout_files.txt")
-    p.add_argument("--out", default="results/policy_ab")
+    p.set_defaults(tokens=128)
     args = p.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    prompts, _ = heldout_prompts(tokenizer, args.prompts, 64, args.heldout)
+    prompts = held_out(args)
     rates: dict[str, list[float]] = {}
     settings = StackSettings(
         args.target_model, args.draft_model, port=free_port(), draft_threads=1, target_threads=1

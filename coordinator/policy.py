@@ -293,7 +293,7 @@ class BatchPlan:
 
     def describe(self, alpha: float) -> str:
         ratios = " ".join(
-            f"{g}:{r:.2f}" for g, (r, _) in sorted(self.ratios.items()) if self._fresh((r, _))
+            f"{g}:{entry[0]:.2f}" for g, entry in sorted(self.ratios.items()) if self._fresh(entry)
         )
         rate = self.rate(self.best, alpha) if self.best is not None else None
         now = f"{rate:.1f}" if rate is not None else "?"

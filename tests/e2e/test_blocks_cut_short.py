@@ -8,7 +8,14 @@ from __future__ import annotations
 import grpc
 import pytest
 from test_generate import hf_greedy
-from test_pipelined import PROMPTS, hf_joint, p_value, pipelined_stack, request
+from test_pipelined import (
+    PROMPTS,
+    four_token_samples,
+    hf_joint,
+    p_value,
+    pipelined_stack,
+    request,
+)
 
 from specdec.v1 import coordinator_pb2_grpc
 
@@ -41,13 +48,8 @@ def test_four_tokens_from_blocks_cut_short_follow_the_target_distribution(stub, 
     drafts 3 candidates, so a session that drafted fewer than 3 in all proves a cut. The
     joint of the 4 tokens (16 cells) must be HF's."""
     prompt = "def add(a, b):"
-    samples, cut = [], 0
-    for seed in range(800):
-        response = stub.Generate(
-            request(prompt, 3, temperature=1.0, top_k=2, seed=seed, max_new_tokens=4), timeout=30
-        )
-        samples.append(tuple(response.token_ids))
-        cut += response.stats.draft_tokens < 3
+    samples, stats = four_token_samples(stub, prompt, 3)
+    cut = sum(s.draft_tokens < 3 for s in stats)
     assert cut >= 100, cut  # enough samples went through blocks cut short
     assert p_value(samples, hf_joint(hf, prompt, 4, 1.0, 2)) > 1e-3
     # negative control: the same samples against another distribution are rejected

@@ -96,19 +96,27 @@ def p_value(samples: list[tuple], joint: dict) -> float:
     return float(chisquare(observed, expected).pvalue)
 
 
+def four_token_samples(stub, prompt: str, gamma: int) -> tuple[list[tuple], list]:
+    """800 seeded 4-token samples at temperature 1, top-k 2, and each one's statistics."""
+    samples, stats = [], []
+    for seed in range(800):
+        response = stub.Generate(
+            request(prompt, gamma, temperature=1.0, top_k=2, seed=seed, max_new_tokens=4),
+            timeout=30,
+        )
+        samples.append(tuple(response.token_ids))
+        stats.append(response.stats)
+    return samples, stats
+
+
 @pytest.mark.slow
 def test_four_tokens_with_blocks_drafted_ahead_follow_the_target_distribution(stub, hf):
     """γ = 1, 4 tokens: round 1 verifies a candidate at position 0 (bonus at 1) while the
     draft guesses position 1 and drafts position 2; when both hold, round 2 verifies that
     block (bonus at 3). The joint of all 4 tokens (16 cells under top-k 2) must be HF's."""
     prompt = "def add(a, b):"
-    samples, used = [], 0
-    for seed in range(800):
-        response = stub.Generate(
-            request(prompt, 1, temperature=1.0, top_k=2, seed=seed, max_new_tokens=4), timeout=30
-        )
-        samples.append(tuple(response.token_ids))
-        used += response.stats.drafted_ahead
+    samples, stats = four_token_samples(stub, prompt, 1)
+    used = sum(s.drafted_ahead for s in stats)
     assert used >= 100, used  # enough of the samples went through a block drafted ahead
     assert p_value(samples, hf_joint(hf, prompt, 4, 1.0, 2)) > 1e-3
     # negative control: the same samples against another distribution are rejected
