@@ -108,10 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = from_args(CoordinatorSettings, parser.parse_args(argv))
     if not settings.redis_timeout_s > 0:
         parser.error("--redis-timeout-s must be positive")
-    if settings.max_starting < 1:
-        parser.error("--max-starting must be at least 1")
     if not 0.0 <= settings.draft_confidence < 1.0:
         parser.error("--draft-confidence must be in [0, 1)")
+    if settings.max_starting < 1:
+        parser.error("--max-starting must be at least 1")
     try:
         check_security(settings)
         check_discovery(settings)

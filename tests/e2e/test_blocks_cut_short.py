@@ -5,6 +5,9 @@ the target's distribution, Hugging Face's warpers as the reference."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import grpc
 import pytest
 from test_generate import hf_greedy
@@ -17,6 +20,7 @@ from test_pipelined import (
     request,
 )
 
+from specdec.serving.redis_embedded import free_port
 from specdec.v1 import coordinator_pb2_grpc
 
 THRESHOLD = "0.75"
@@ -54,3 +58,20 @@ def test_four_tokens_from_blocks_cut_short_follow_the_target_distribution(stub, 
     assert p_value(samples, hf_joint(hf, prompt, 4, 1.0, 2)) > 1e-3
     # negative control: the same samples against another distribution are rejected
     assert p_value(samples, hf_joint(hf, prompt, 4, 0.5, 2)) < 1e-4
+
+
+@pytest.mark.parametrize("value", ["1.0", "-0.1", "nan"])
+def test_the_coordinator_refuses_a_threshold_outside_0_1(model_dirs, value):
+    """A real coordinator process: --draft-confidence outside [0, 1) stops it at the start
+    (exit 2, the flag named), before it binds a port or touches Redis; 0.5 passes it."""
+    argv = [sys.executable, "-m", "coordinator", "--tokenizer", model_dirs["target"]]
+    argv += ["--port", str(free_port()), "--redis-url", "redis://127.0.0.1:1/0"]
+    bad = subprocess.run([*argv, "--draft-confidence", value], capture_output=True, text=True)
+    assert bad.returncode == 2, bad.stderr
+    assert "--draft-confidence must be in [0, 1)" in bad.stderr
+    # negative control: an accepted threshold gets past the check, to the next one
+    ok = subprocess.run(
+        [*argv, "--draft-confidence", "0.5", "--max-starting", "0"], capture_output=True, text=True
+    )
+    assert ok.returncode == 2 and "--max-starting must be at least 1" in ok.stderr, ok.stderr
+    assert "--draft-confidence" not in ok.stderr.splitlines()[-1]
