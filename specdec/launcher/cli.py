@@ -467,11 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         return generate(rest)
     if command == "models":
         return models(rest)
-    if (
-        command == "bench"
-        and rest
-        and rest[0] in ("workers", "math", "fuzz", "load", "tls", "chaos")
-    ):
+    if command == "bench" and rest and f"bench {rest[0]}" in SERVICES:
         command, rest = f"bench {rest[0]}", rest[1:]
     if command not in SERVICES:
         print(f"specdec: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
