@@ -10,10 +10,12 @@ threshold τ per row, and
 
 So a row is described by (τ, log Z): O(1) numbers instead of a dense [vocab] float64 row.
 Finding τ needs only the row's largest values: `torch.topk` of a small window (`WINDOW`).
-A row whose top-p nucleus does not fit is finished from a histogram of its mass and a sort of
-the one bin where the nucleus ends (`_nucleus_cut`), never a sort of the vocabulary. log Z
-comes from the window when the kept set fits in it, else from one pass over the row; the
-whole-row sums are float32 exps added in float64 (p then sums to 1 within ~1e-7).
+Rows whose top-p nucleus does not fit are finished together (`_wide_rows`, in blocks of rows
+small enough to stay in cache) from a histogram of their mass and an ordering of the one bin
+where each nucleus ends (`_nucleus_cuts`), never a sort of the vocabulary; their log Z comes
+from the same float64 masses. Otherwise log Z comes from the window when the kept set fits in
+it, else from one pass over the row; the whole-row sums are float32 exps added in float64 (p
+then sums to 1 within ~1e-7).
 
 A few rows on a CPU (`few_rows`: a round at low concurrency) cost far more in per-op dispatch
 than in arithmetic; their decisions are made on Python floats (`_cuts_few`) while every exp,
@@ -323,39 +325,87 @@ def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
     )
 
 
-BINS_PER_NAT = 16  # histogram resolution of `_nucleus_cut`
+BINS_PER_NAT = 16  # histogram resolution of `_nucleus_cuts`
 BINS = 1024  # 64 nats below the row's maximum; everything further down is one bin
+WIDE_BLOCK = (
+    1 << 18
+)  # values of the rows `_wide_rows` finishes together (2 MB a float64 pass: cached)
 
 
-def _nucleus_cut(z: torch.Tensor, top_p: float, log_norm: torch.Tensor) -> torch.Tensor:
-    """τ of top-p for one row z [vocab] whose nucleus is large, without sorting the row.
+def _nucleus_cuts(
+    z: torch.Tensor, z_max: torch.Tensor, top_p: torch.Tensor, log_norm: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(τ, log Z) of top-p for rows z [U, vocab] whose nucleus is large, without sorting a row.
 
-    A histogram of the row's mass over bins of z locates the bin where the cumulative mass
+    A histogram of each row's mass over bins of z locates the bin where the cumulative mass
     reaches top_p; every token above that bin is kept, every token below it dropped, and
-    only the tokens of that one bin are sorted to find the exact cut. Masses are float64."""
-    z_max = z.max()
-    depth = ((z_max - z) * BINS_PER_NAT).long().clamp_(0, BINS - 1)
-    p = torch.exp(z.double() - log_norm)
-    mass = torch.zeros(BINS, dtype=torch.float64, device=z.device).scatter_add_(0, depth, p)
-    cum = mass.cumsum(dim=0)
-    b = int((cum < top_p).sum().clamp(max=BINS - 1))  # the bin where the nucleus ends
-    above = cum[b - 1] if b > 0 else torch.zeros((), dtype=torch.float64, device=z.device)
-    inside = z[depth == b].sort(descending=True).values
-    p_in = torch.exp(inside.double() - log_norm)
-    before = above + p_in.cumsum(dim=0) - p_in  # mass strictly above each token of the bin
-    n = int((before < top_p).sum().clamp(min=1))
-    return inside[n - 1]
+    only the tokens of that one bin are ordered (`topk` of the largest bin's size) to find
+    the exact cut. All rows at once: the same ops per row as one row alone. Masses are
+    float64 exps of z relative to log_norm [U] (any normaliser near the row's: the cut
+    compares the masses with top_p, so it must be the row's log-mass); the kept mass is the
+    bins above the cut's plus the cut bin's kept tokens, so log Z = log_norm + log(kept
+    mass) — Σ_{z ≥ τ} exp(z) exactly, whatever rounding log_norm carries. z_max [U]: each
+    row's largest z; top_p [U] float64."""
+    rows = z.shape[0]
+    depth = torch.sub(z_max[:, None], z).mul_(BINS_PER_NAT).long().clamp_(0, BINS - 1)
+    p = z.double().sub_(log_norm[:, None]).exp_()
+    mass = torch.zeros(rows, BINS, dtype=torch.float64, device=z.device)
+    cum = mass.scatter_add_(1, depth, p).cumsum(dim=1)
+    b = (cum < top_p[:, None]).sum(dim=1).clamp(max=BINS - 1)  # the bin where the nucleus ends
+    above = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    inside, count = _bin_values(z, depth == b[:, None])
+    p_in = torch.exp(inside.double() - log_norm[:, None])  # 0 past the bin's tokens
+    before = above[:, None] + p_in.cumsum(dim=1) - p_in  # mass strictly above each token
+    ranks = torch.arange(inside.shape[1], device=z.device)
+    n = ((before < top_p[:, None]) & (ranks[None, :] < count[:, None])).sum(dim=1)
+    tau = inside.gather(1, (n.clamp(min=1) - 1)[:, None]).squeeze(1)
+    kept = above + torch.where(inside >= tau[:, None], p_in, 0.0).sum(dim=1)  # ties kept too
+    return tau, log_norm + torch.log(kept)
 
 
-def _wide_row(logits: torch.Tensor, pp: ProcessorParams, log_all: torch.Tensor):
-    """(τ, log Z) of one row [vocab] (top-k off) whose top-p nucleus is past the window;
-    log_all: the row's log-mass (from `_thresholds`)."""
-    z = logits.float() / pp.temperature
-    z_max = z.max()
-    tau = _nucleus_cut(z, float(pp.top_p), log_all)
-    if float(pp.min_p) > 0:
-        tau = torch.maximum(tau, (z_max.double() + torch.log(pp.min_p)).float())
-    return tau, _masked_lse(z[None], tau[None], z_max[None])[0]
+def _bin_values(z: torch.Tensor, in_bin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of z [U, vocab] where `in_bin`, each row's descending and padded with −inf
+    to the largest row's count [U, C], and the counts [U]: the bin's tokens gathered and
+    sorted (by value, then stably by row), never a sort or top-k over a whole row."""
+    where = in_bin.nonzero()  # [M, 2], row-major
+    values = z[where[:, 0], where[:, 1]]
+    rows = where[:, 0]
+    order = values.sort(descending=True, stable=True).indices
+    order = order[rows[order].sort(stable=True).indices]  # by row, descending within
+    count = torch.bincount(rows, minlength=z.shape[0])
+    start = count.cumsum(dim=0) - count
+    rank = torch.arange(len(rows), device=z.device) - start[rows[order]]
+    out = torch.full((z.shape[0], int(count.max())), float("-inf"), device=z.device)
+    out[rows[order], rank] = values[order]
+    return out, count
+
+
+def _wide_rows(
+    logits: torch.Tensor, pp: ProcessorParams, log_all: torch.Tensor, z_max: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(τ, log Z) of rows [U, vocab] (top-k off) whose top-p nucleus is past the window,
+    finished together in blocks of `WIDE_BLOCK` values; log_all: each row's log-mass, z_max
+    its largest z (both from `_thresholds`). A min-p cut above top-p's sums its kept set
+    over the row."""
+    step = max(1, WIDE_BLOCK // logits.shape[1])
+    device = logits.device
+    taus, log_zs = [], []
+    for start in range(0, logits.shape[0], step):
+        rows = slice(start, start + step)
+        temperature, top_p, min_p = (
+            x[rows].to(device) for x in (pp.temperature, pp.top_p, pp.min_p)
+        )
+        z = logits[rows].float() / temperature[:, None]
+        tau, log_z = _nucleus_cuts(z, z_max[rows], top_p, log_all[rows])
+        tau_m = (z_max[rows].double() + torch.log(min_p.clamp(min=1e-300))).float()
+        raised = (min_p > 0) & (tau_m > tau)
+        if bool(raised.any()):
+            r = raised.nonzero().squeeze(1)
+            tau[r] = tau_m[r]
+            log_z[r] = _masked_lse(z[r], tau[r], z_max[rows][r])
+        taus.append(tau)
+        log_zs.append(log_z)
+    return torch.cat(taus), torch.cat(log_zs)
 
 
 def process(
@@ -363,8 +413,8 @@ def process(
 ) -> Processed:
     """The processed distributions of sampling rows [R, vocab] (see the module docstring).
 
-    Rows whose top-p nucleus does not fit the window are finished one by one from a
-    histogram of their mass (`_nucleus_cut`): a few passes over the row and a sort of one
+    Rows whose top-p nucleus does not fit the window are finished together from a
+    histogram of their mass (`_nucleus_cuts`): a few passes over the row and a sort of one
     bin, never of the whole vocabulary (rows with top-k as well, rare, take the whole row).
     With `window_only` (the draft: q̃ is the top window's kept part) such rows are not
     finished: the whole window is inside their nucleus, so the τ `_thresholds` found (at
@@ -376,11 +426,15 @@ def process(
     if window_only and unfinished:
         log_z[unfinished] = float("nan")
         unfinished = []
-    for i in unfinished:
-        row = pp[i : i + 1]
-        if 0 < int(row.top_k) < logits.shape[-1]:
-            t, lz, *_ = _thresholds(logits[i : i + 1], row, logits.shape[-1])
-            tau[i], log_z[i] = t[0], lz[0]
-        else:
-            tau[i], log_z[i] = _wide_row(logits[i], pp[i], log_k[i])
+    vocab, top_k = logits.shape[-1], pp.top_k.tolist()
+    with_k = [i for i in unfinished if 0 < top_k[i] < vocab]
+    for i in with_k:  # rare: the whole row as the window
+        t, lz, *_ = _thresholds(logits[i : i + 1], pp[i : i + 1], vocab)
+        tau[i], log_z[i] = t[0], lz[0]
+    wide = [i for i in unfinished if i not in with_k]
+    if wide:
+        index = row_index(wide)
+        tau[index], log_z[index] = _wide_rows(
+            logits[index], pp[index], log_k[index], top_z[index, 0]
+        )
     return Processed(logits, pp.temperature.to(logits.device), tau, log_z, top_z, top_ids)

@@ -57,7 +57,7 @@ def test_a_large_nucleus_is_cut_from_its_histogram_not_a_sort(monkeypatch):
     the 64-value window: it is finished from its histogram, the other rows are not, and the
     result is still exactly the dense reference's."""
     windows, cuts = [], []
-    real_thresholds, real_cut = processed_mod._thresholds, processed_mod._nucleus_cut
+    real_thresholds, real_cut = processed_mod._thresholds, processed_mod._nucleus_cuts
     monkeypatch.setattr(
         processed_mod,
         "_thresholds",
@@ -65,7 +65,9 @@ def test_a_large_nucleus_is_cut_from_its_histogram_not_a_sort(monkeypatch):
             windows.append((len(logits), width)) or real_thresholds(logits, pp, width)
         ),
     )
-    monkeypatch.setattr(processed_mod, "_nucleus_cut", lambda *a: cuts.append(1) or real_cut(*a))
+    monkeypatch.setattr(
+        processed_mod, "_nucleus_cuts", lambda z, *a: cuts.append(len(z)) or real_cut(z, *a)
+    )
     params = [
         SamplingParams(temperature=1.0, top_p=0.3),
         SamplingParams(temperature=1.0, top_k=3),
@@ -73,7 +75,7 @@ def test_a_large_nucleus_is_cut_from_its_histogram_not_a_sort(monkeypatch):
     ]
     logits = logits_of("flat", 3, 5000, seed=2)
     got = process(logits, ProcessorParams.of(params))
-    assert windows == [(3, 64)] and len(cuts) == 2  # no wider window, no sort of a row
+    assert windows == [(3, 64)] and cuts == [2]  # no wider window, no sort of a row; together
     for row, p in enumerate(params):
         dense = got.dense(torch.tensor([row]))[0]
         expected = probs_from_logits(logits[row : row + 1], p)[0]
@@ -123,3 +125,61 @@ def test_verify_from_logits_equals_the_dense_verifier():
     assert got.num_accepted.tolist() == expected.num_accepted.tolist()
     assert got.output_tokens.tolist() == expected.output_tokens.tolist()
     assert 0 < int((got.num_accepted < num).sum()) < batch  # both paths were exercised
+
+
+def test_wide_rows_are_finished_in_blocks_as_one_at_a_time(monkeypatch):
+    """Rows whose nucleus runs past the window are finished together, a block of rows at a
+    time (`WIDE_BLOCK` values): every row's τ and log Z are what it gets processed alone, and
+    its distribution is the dense reference's (min-p raising the cut on some rows).
+    Negative control: a cut one token lower fails the same kept-set check."""
+    vocab = 3000
+    monkeypatch.setattr(processed_mod, "WIDE_BLOCK", 2 * vocab)  # blocks of 2 rows
+    params = [
+        SamplingParams(temperature=t, top_p=p, min_p=m)
+        for t, p, m in itertools.product((0.3, 1.0), (0.5, 0.95), (0.0, 0.2))
+    ]
+    logits = logits_of("flat", len(params), vocab, seed=7)
+    cuts, real_cut = [], processed_mod._nucleus_cuts
+    monkeypatch.setattr(
+        processed_mod, "_nucleus_cuts", lambda z, *a: cuts.append(len(z)) or real_cut(z, *a)
+    )
+    together = process(logits, ProcessorParams.of(params))
+    assert cuts == [2, 2, 2, 2]  # every row's nucleus is past the window: blocks of 2 rows
+    raised = together.top_z[:, -1] < together.tau  # min-p cut inside the window after all
+    assert 0 < int(raised.sum()) < len(params)
+    cuts.clear()
+    for row, p in enumerate(params):
+        alone = process(logits[row : row + 1], ProcessorParams.of([p]))
+        assert float(alone.tau[0]) == float(together.tau[row])
+        assert float(alone.log_z[0]) == pytest.approx(float(together.log_z[row]), rel=0, abs=1e-12)
+        dense = together.dense(torch.tensor([row]))[0]
+        expected = probs_from_logits(logits[row : row + 1], p)[0]
+        assert torch.equal(dense > 0, expected > 0), (row, p)
+        assert torch.allclose(dense, expected, rtol=1e-6, atol=1e-12), (row, p)
+        # log Z from the histogram's float64 masses; min-p's cut sums float32 exps of the row
+        assert float(dense.sum()) == pytest.approx(1.0, abs=1e-7 if raised[row] else 1e-12)
+        z = logits[row] / p.temperature
+        lower = z[z < together.tau[row]].max()  # the next value down: one token more kept
+        assert not torch.equal(z >= lower, expected > 0)
+
+
+def test_ties_at_a_wide_cut_are_all_kept_and_normalised():
+    """Logits on a coarse grid put many tokens at top-p's cut: all of them are kept (the dense
+    reference keeps whichever its sort puts first), so the kept set contains the reference's
+    and differs only at z = τ, and p still sums to 1."""
+    vocab = 4000
+    logits = torch.round(logits_of("flat", 4, vocab, seed=9) * 16) / 16
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in (0.3, 0.6, 0.9, 0.97)]
+    got = process(logits, ProcessorParams.of(params))
+    assert bool((got.top_z[:, -1] >= got.tau).all())  # every cut past the window
+    tied = 0
+    for row, p in enumerate(params):
+        dense = got.dense(torch.tensor([row]))[0]
+        expected = probs_from_logits(logits[row : row + 1], p)[0]
+        extra = (dense > 0) & ~(expected > 0)
+        tied += int(extra.sum())
+        assert not bool(((expected > 0) & ~(dense > 0)).any())
+        assert bool((logits[row][extra] == got.tau[row]).all())
+        assert int(extra.sum()) < int((logits[row] == got.tau[row]).sum())
+        assert float(dense.sum()) == pytest.approx(1.0, abs=1e-12)
+    assert tied > 0  # the grid did put tokens at the cut that the reference dropped
