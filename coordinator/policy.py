@@ -44,6 +44,7 @@ everything else is free, so the first rounds use a moderate γ.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ from specdec.core.acceptance import AcceptanceEstimate
 from specdec.core.perf_model import expected_tokens
 
 FIRST_ROUNDS = 2  # a session's first rounds, which the batch plan does not measure
+
+log = logging.getLogger(__name__)
 
 
 class _Ewma:
@@ -235,6 +238,21 @@ class BatchPlan:
         if len(self.times) >= self.min_rounds:
             self.measured[self.gamma] = (statistics.median(self.times), passes)
             rate = self.rate(self.gamma, alpha)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "batch plan: window %d (passes %d-%d) γ=%d %s, %d rounds measured, "
+                "%s tok/s a session (α̂ %.2f) median %.1f mean %.1f ms",
+                self.window,
+                self.start,
+                passes,
+                self.gamma,
+                "probe" if self._probe_from is not None else "plan",
+                len(self.times),
+                "?" if rate is None else f"{rate:.1f}",
+                alpha,
+                1000 * statistics.median(self.times) if self.times else 0.0,
+                1000 * statistics.fmean(self.times) if self.times else 0.0,
+            )
         if self._probe_from is not None:  # a probe: the plan's γ again, to confirm
             if rate is not None and self._before is not None:
                 self._pending = (self.gamma, rate, self._before, self._probe_from)

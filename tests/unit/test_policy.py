@@ -485,3 +485,24 @@ def test_a_sessions_first_round_at_a_new_plan_gamma_is_not_measured():
                 costs.observe(gamma, timing)
             policy.observe(gamma, min(gamma, 2), gamma > 2, sim.timing(gamma))
     assert switches >= 10 and counted >= 100  # the plan moved, and windows were measured
+
+
+def test_the_batch_plan_logs_each_window_it_closes_at_debug(caplog):
+    """Each closed window is one debug line (its γ, probe or plan, rounds and rate) for an
+    operator following the plan; none above debug."""
+    import logging
+
+    def run_windows(plan):
+        for passes in range(0, 13):
+            gamma = plan.current(passes, 0.7, 4, lambda low: 3)
+            for _ in range(3):
+                plan.observe(plan.ticket(passes), gamma, 0.05 if gamma else 0.04)
+
+    with caplog.at_level(logging.INFO, logger="coordinator.policy"):
+        run_windows(BatchPlan(window_passes=4, settle_passes=1, min_rounds=2))
+    assert not [r for r in caplog.records if "batch plan" in r.getMessage()]
+    with caplog.at_level(logging.DEBUG, logger="coordinator.policy"):
+        run_windows(BatchPlan(window_passes=4, settle_passes=1, min_rounds=2))
+    lines = [r.getMessage() for r in caplog.records if "batch plan" in r.getMessage()]
+    assert lines[0].startswith("batch plan: window 1 (passes 0-4) γ=3 plan, 9 rounds measured")
+    assert "γ=0 probe" in lines[1]  # the first window ends with a probe of speculation off
