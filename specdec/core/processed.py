@@ -327,9 +327,8 @@ def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
 
 BINS_PER_NAT = 16  # histogram resolution of `_nucleus_cuts`
 BINS = 1024  # 64 nats below the row's maximum; everything further down is one bin
-WIDE_BLOCK = (
-    1 << 18
-)  # values of the rows `_wide_rows` finishes together (2 MB a float64 pass: cached)
+# values of the rows `_wide_rows` finishes together: a float64 pass over them (2 MB) stays cached
+WIDE_BLOCK = 1 << 18
 
 
 def _nucleus_cuts(
@@ -339,13 +338,12 @@ def _nucleus_cuts(
 
     A histogram of each row's mass over bins of z locates the bin where the cumulative mass
     reaches top_p; every token above that bin is kept, every token below it dropped, and
-    only the tokens of that one bin are ordered (`topk` of the largest bin's size) to find
-    the exact cut. All rows at once: the same ops per row as one row alone. Masses are
-    float64 exps of z relative to log_norm [U] (any normaliser near the row's: the cut
-    compares the masses with top_p, so it must be the row's log-mass); the kept mass is the
-    bins above the cut's plus the cut bin's kept tokens, so log Z = log_norm + log(kept
-    mass) — Σ_{z ≥ τ} exp(z) exactly, whatever rounding log_norm carries. z_max [U]: each
-    row's largest z; top_p [U] float64."""
+    only the tokens of that one bin are ordered (`_bin_values`) to find the exact cut. All
+    rows at once: the same ops per row as one row alone. Masses are float64 exps of z
+    relative to log_norm [U] (the row's log-mass: the cut compares the masses with top_p);
+    the kept mass is the bins above the cut's plus the cut bin's kept tokens, so log Z =
+    log_norm + log(kept mass) — Σ_{z ≥ τ} exp(z) exactly, whatever rounding log_norm
+    carries. z_max [U]: each row's largest z; top_p [U] float64."""
     rows = z.shape[0]
     depth = torch.sub(z_max[:, None], z).mul_(BINS_PER_NAT).long().clamp_(0, BINS - 1)
     p = z.double().sub_(log_norm[:, None]).exp_()
@@ -431,7 +429,7 @@ def process(
     for i in with_k:  # rare: the whole row as the window
         t, lz, *_ = _thresholds(logits[i : i + 1], pp[i : i + 1], vocab)
         tau[i], log_z[i] = t[0], lz[0]
-    wide = [i for i in unfinished if i not in with_k]
+    wide = [i for i in unfinished if not 0 < top_k[i] < vocab]
     if wide:
         index = row_index(wide)
         tau[index], log_z[index] = _wide_rows(
