@@ -22,7 +22,7 @@ from coordinator.pool import Worker
 from coordinator.stats import Stats
 from specdec.core.prefix import PrefixDigest
 from specdec.errors import InvalidArgument, Unavailable
-from specdec.serving.telemetry import client_span, span, trace_metadata
+from specdec.serving.telemetry import client_span, flush_soon, span, trace_metadata
 from specdec.serving.wire import check_draft_dists, check_tokens
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -260,6 +260,7 @@ class SessionLinks:
             attached = await self.attach("draft", exclude={address})
             if s is not None:
                 s.set_attribute("to", self.draft.worker.address if attached else "")
+        flush_soon()
         if keep_gamma and not attached:  # none left: wait for one to come back
             attached = await self.wait_for_draft()
         return attached
@@ -343,6 +344,7 @@ class SessionLinks:
             address = self.target.worker.address
             with span("specdec.failover", tier="target", worker=address):
                 self._failed("target", address, failure)
+            flush_soon()
             failed.add(address)
             self.target.worker = None
             if time.monotonic() > deadline:

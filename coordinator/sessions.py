@@ -22,7 +22,7 @@ from coordinator.run import SessionRun
 from coordinator.store import LostSession, SessionRecord
 from specdec.core.params import SamplingParams
 from specdec.errors import Conflict, Exhausted, InvalidArgument, NotFound, OutOfRange, Unavailable
-from specdec.serving.telemetry import span
+from specdec.serving.telemetry import flush_soon, span
 from specdec.text.detok import FinishReason
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ class Sessions:
                 s.set_attributes({"epoch": epoch, "generated": len(record.generated)})
             # the run's rounds are children of this span (its task copies the context)
             run = self._spawn(record, epoch, SamplingParams.from_dict(record.sampling, record.seed))
+        flush_soon()
         run.stats.takeovers += 1
         self.ctx.count("takeovers")
         log.info(

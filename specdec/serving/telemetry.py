@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 
 from opentelemetry import metrics, propagate, trace
@@ -139,6 +140,42 @@ def shutdown() -> None:
     """Flush spans still waiting in the batch processor (at exit)."""
     if _tracing:
         trace.get_tracer_provider().shutdown()
+
+
+_flush_state = threading.Lock()  # guards the two flags below
+_flushing = False  # a flush thread runs
+_flush_again = False  # asked for while it ran: it runs once more
+
+
+def flush_soon() -> None:
+    """Export the spans the batch processor holds now, in a thread, not at its next scheduled
+    batch: called after a failover or a takeover, whose record must reach the collector even
+    when this process is the next thing to die (faults come in pairs). Calls made while a
+    flush runs make it run once more, so a burst of failovers costs two exports, not one
+    each."""
+    global _flushing, _flush_again
+    if not _tracing:
+        return
+    with _flush_state:
+        if _flushing:
+            _flush_again = True
+            return
+        _flushing = True
+    threading.Thread(target=_flush, name="span-flush", daemon=True).start()
+
+
+def _flush() -> None:
+    global _flushing, _flush_again
+    while True:
+        try:
+            trace.get_tracer_provider().force_flush(5000)
+        except Exception:  # noqa: BLE001 - the batch processor exports them later anyway
+            log.debug("flushing spans failed", exc_info=True)
+        with _flush_state:
+            if not _flush_again:
+                _flushing = False
+                return
+            _flush_again = False
 
 
 def meter():

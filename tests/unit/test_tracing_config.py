@@ -88,3 +88,39 @@ def test_spans_are_free_no_ops_when_tracing_is_off(env):
     with telemetry.span("specdec.round", gamma=3) as s:
         assert s is None
     telemetry.record_span("queue", 1, 2)  # nothing to record, nothing raised
+
+
+FLUSH_SCRIPT = """
+import sys, time
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from specdec.serving import telemetry
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+trace.set_tracer_provider(provider)
+telemetry._tracing = True
+for n in range(3):  # a burst: the calls made while a flush runs are not lost
+    with telemetry.span("specdec.failover", tier="draft", n=n):
+        pass
+    if sys.argv[1] == "flush":
+        telemetry.flush_soon()
+deadline = time.monotonic() + 1.0
+while time.monotonic() < deadline and len(exporter.get_finished_spans()) < 3:
+    time.sleep(0.01)
+print(len(exporter.get_finished_spans()))
+"""
+
+
+@pytest.mark.parametrize(("mode", "exported"), [("flush", "3"), ("wait", "0")])
+def test_a_failover_span_is_exported_at_once_not_at_the_next_batch(mode, exported):
+    """flush_soon sends what the batch processor holds within the second; without it (the
+    negative control) nothing leaves before the 60 s schedule delay."""
+    proc = subprocess.run(
+        [sys.executable, "-c", FLUSH_SCRIPT, mode], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == exported
