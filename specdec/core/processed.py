@@ -44,6 +44,9 @@ from specdec.core.reduce import chunked
 
 WINDOW = 64  # top values examined for every sampling row (more only where a nucleus needs it)
 WIDE = 2048  # up to this many values (a window), log Z is computed all in float64
+# values of the rows whole-row passes take together on a CPU (`_wide_rows`, `_full_lse`): a
+# float64 pass over them (2 MB) stays cached
+WIDE_BLOCK = 1 << 18
 FEW_ROWS = 8  # up to this many rows on a CPU, the decisions run on Python floats (`few_rows`)
 
 
@@ -170,7 +173,8 @@ def _masked_lse(z: torch.Tensor, tau: torch.Tensor, z_max: torch.Tensor) -> torc
 
 def _full_lse(logits, temperature, tau, z_max, scaled: bool = False) -> torch.Tensor:
     """log Σ_{z ≥ τ} exp(z) over whole rows (one pass; τ None, or −inf on every row: every
-    token kept).
+    token kept). On a CPU the rows go in blocks of `WIDE_BLOCK` values, whose temporaries
+    stay in cache; each row's sum is the same whatever the blocks.
 
     `scaled` (for top-p's whole-row normaliser, which only places the cut): without a
     threshold z is scaled by 1/T instead of divided by T and exponentiated in place — a third
@@ -178,12 +182,24 @@ def _full_lse(logits, temperature, tau, z_max, scaled: bool = False) -> torch.Te
     shift of the cumulative masses the cut compares with top_p of that size. A log Z that p
     itself is computed from is always summed over z divided by T, as `prob` computes z."""
     every = tau is None or bool(torch.isinf(tau).all())
-    if scaled and every and logits.shape[-1] > WIDE:
+    count, vocab = logits.shape
+    step = max(1, WIDE_BLOCK // vocab) if logits.device.type == "cpu" else max(count, 1)
+    out = []
+    for start in range(0, count, step):
+        rows = slice(start, start + step)
+        block = logits[rows], temperature[rows], z_max[rows]
+        out.append(_row_lse(*block, None if every else tau[rows], scaled and every))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _row_lse(logits, temperature, z_max, tau, scaled: bool) -> torch.Tensor:
+    """`_full_lse` of a block of rows; τ None: every token kept."""
+    if scaled and logits.shape[-1] > WIDE:
         z = logits.float() * temperature.reciprocal()[:, None]  # = 1.0 / T, bit for bit
         z.sub_(z_max[:, None]).exp_()
         return torch.log(_sum64(z)) + z_max.double()
     z = logits.float() / temperature[:, None]
-    return _lse(z, z_max) if every else _masked_lse(z, tau, z_max)
+    return _lse(z, z_max) if tau is None else _masked_lse(z, tau, z_max)
 
 
 def few_rows(count: int, device: torch.device) -> bool:
@@ -233,8 +249,8 @@ def _cuts(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
     # top-p renormalises over the top-k set: its log-mass, from the window when it fits
     log_k = _masked_lse(z, tau_k, z[:, 0])
     past = p_on & (z[:, -1] >= tau_k) & (width < vocab)  # top-k set runs past the window
-    if bool(past.any()):
-        r = past.nonzero().squeeze(1)
+    if bool(past.any()):  # usually every row (top-p alone): then no copy of the rows
+        r = slice(None) if bool(past.all()) else past.nonzero().squeeze(1)
         log_k[r] = _full_lse(logits[r], temperature[r], tau_k[r], z[r, 0], scaled=True)
     mass = torch.exp(z.double() - log_k[:, None])  # top-k-renormalised p of the window
     before = mass.cumsum(dim=-1) - mass  # mass strictly above each rank
@@ -251,7 +267,7 @@ def _cuts(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
     log_z = _masked_lse(z, tau, z[:, 0])
     past = (z[:, -1] >= tau) & fits & (width < vocab)  # kept tokens past the window
     if bool(past.any()):
-        r = past.nonzero().squeeze(1)
+        r = slice(None) if bool(past.all()) else past.nonzero().squeeze(1)
         log_z[r] = _full_lse(logits[r], temperature[r], tau[r], z[r, 0])
     return tau, log_z, fits.tolist(), log_k
 
@@ -327,8 +343,6 @@ def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
 
 BINS_PER_NAT = 16  # histogram resolution of `_nucleus_cuts`
 BINS = 1024  # 64 nats below the row's maximum; everything further down is one bin
-# values of the rows `_wide_rows` finishes together: a float64 pass over them (2 MB) stays cached
-WIDE_BLOCK = 1 << 18
 
 
 def _nucleus_cuts(

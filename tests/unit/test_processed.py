@@ -162,6 +162,35 @@ def test_wide_rows_are_finished_in_blocks_as_one_at_a_time(monkeypatch):
         assert not torch.equal(z >= lower, expected > 0)
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_whole_row_normalisers_in_blocks_equal_each_row_alone(monkeypatch, scaled):
+    """`_full_lse` takes the rows a block at a time (`WIDE_BLOCK` values) on a CPU: every row's
+    log-mass is bit for bit what it gets alone, and the float64 logsumexp of its kept z
+    within the documented rounding. Rows with a threshold and rows without share a call (the
+    threshold then applies per row; `scaled` only where no row has one)."""
+    vocab = 3000
+    monkeypatch.setattr(processed_mod, "WIDE_BLOCK", 2 * vocab)  # blocks of 2 rows
+    blocks, real_block = [], processed_mod._row_lse
+    monkeypatch.setattr(
+        processed_mod, "_row_lse", lambda x, *a: blocks.append(len(x)) or real_block(x, *a)
+    )
+    logits = logits_of("peaked", 7, vocab, seed=11)
+    temperature = torch.tensor([0.3, 0.7, 1.0, 1.3, 0.9, 1.6, 0.5])
+    z = logits / temperature[:, None]
+    z_max = z.amax(dim=1)
+    tau = None if scaled else torch.tensor([float("-inf"), 1.0, 0.5, -1.0, 2.0, 0.0, 3.0])
+    together = processed_mod._full_lse(logits, temperature, tau, z_max, scaled=scaled)
+    assert blocks == [2, 2, 2, 1]
+    for row in range(len(logits)):
+        t = None if tau is None else tau[row : row + 1]
+        one = (logits[row : row + 1], temperature[row : row + 1], t, z_max[row : row + 1])
+        assert float(processed_mod._full_lse(*one, scaled=scaled)[0]) == float(together[row])
+        kept = z[row].double() if tau is None else z[row][z[row] >= tau[row]].double()
+        assert float(together[row]) == pytest.approx(
+            float(torch.logsumexp(kept, dim=0)), rel=0, abs=1e-6 if scaled else 3e-7
+        )
+
+
 def test_ties_at_a_wide_cut_are_all_kept_and_normalised():
     """Logits on a coarse grid put many tokens at top-p's cut: all of them are kept (the dense
     reference keeps whichever its sort puts first), so the kept set contains the reference's
