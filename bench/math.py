@@ -14,7 +14,9 @@ Logits are LLM-like (`llm_like`): a Gaussian tail with a few strong tokens per r
 strength varies, so top-p's nucleus ranges from a few tokens to thousands as a real model's
 does, not only a flat worst case; the nucleus sizes are reported.
 `--model DIR` also times the same verify math against the model's own batched forward pass
-(16 sessions × γ+1 positions) on real logits: the share of the pass the math takes.
+(16 sessions × γ+1 positions) on real logits: the share of the pass the math takes, after
+random token ids (flat rows: the worst case) and, for a bench pair's target, after the
+pair's held-out prompts (the rows it serves).
 """
 
 from __future__ import annotations
@@ -151,16 +153,56 @@ def case(vocab: int, batch: int, mode: str, dense: bool, repeat: int) -> dict:
 
 
 def model_share(model_dir: str, batch: int = 16, prompt_len: int = 96) -> list[dict]:
-    """The verify math against the same pass's target forward, on the model's real logits."""
-    from specdec.engine.kv import KVSession
+    """The verify math against the same pass's target forward, on the model's real logits:
+    after random token ids (the model's rows then are flat: its worst case) and, for the
+    target of a bench pair, after that pair's held-out prompts (its rows as served)."""
     from specdec.engine.model import ModelRuntime, RuntimeSettings
 
     runtime = ModelRuntime(RuntimeSettings(model_dir, threads=torch.get_num_threads()))
     gen = torch.Generator().manual_seed(3)
+    prompts = {
+        "random ids": [
+            torch.randint(1, runtime.vocab_size, (prompt_len,), generator=gen).tolist()
+            for _ in range(batch)
+        ]
+    }
+    held_out = pair_prompts(model_dir, batch, prompt_len)
+    if held_out:
+        prompts["held-out text"] = held_out
+    return [row for kind, ids in prompts.items() for row in _share(runtime, kind, ids)]
+
+
+def pair_prompts(model_dir: str, count: int, prompt_len: int) -> list[list[int]] | None:
+    """`count` held-out prompts of the bench pair whose target `model_dir` is (`bench.run`'s
+    chat questions or standard-library files), as `specdec bench` sends them; None for a
+    model of no pair."""
+    from transformers import AutoTokenizer
+
+    from bench.prompts import heldout_prompts
+    from bench.run import PAIRS, chat_prompts
+    from specdec.catalog import CATALOG, cached_dir
+
+    for target, draft, source in PAIRS.values():
+        path = cached_dir(CATALOG[target]) if target in CATALOG else Path(target)
+        if path.resolve() != Path(model_dir).resolve():
+            continue
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if source == "chat":
+            ids = chat_prompts(tokenizer, draft, count)[0]
+        else:
+            ids = heldout_prompts(tokenizer, count, prompt_len, source)[0]
+        return ids if len(ids) == count else None
+    return None
+
+
+def _share(runtime, kind: str, prompts: list[list[int]]) -> list[dict]:
+    from specdec.engine.kv import KVSession
+
+    batch = len(prompts)
     sessions = []
-    for i in range(batch):
+    for i, prompt in enumerate(prompts):
         session = KVSession(str(i))
-        session.sync(torch.randint(1, runtime.vocab_size, (prompt_len,), generator=gen).tolist())
+        session.sync(list(prompt))
         runtime.forward([session], [session.pending()[:-1]], keep=1)
         sessions.append(session)
     blocks = [s.pending() + [int(t) for t in torch.randint(1, 99, (GAMMA,))] for s in sessions]
@@ -192,7 +234,8 @@ def model_share(model_dir: str, batch: int = 16, prompt_len: int = 96) -> list[d
         forward_ms = timed(forward, 3)
         rows.append(
             {
-                "model": Path(model_dir).name,
+                "model": Path(runtime.settings.model_dir).name,
+                "prompts": kind,
                 "vocab": runtime.vocab_size,
                 "mode": mode,
                 "batch": batch,
@@ -227,12 +270,13 @@ def markdown(rows: list[dict], shares: list[dict], threads: int) -> str:
     if shares:
         out += [
             "",
-            "| model | vocab | mode | batch | target forward | verify math | math / forward |",
-            "|---|---:|---|---:|---:|---:|---:|",
+            "| model | prompts | vocab | mode | batch | target forward | verify math "
+            "| math / forward |",
+            "|---|---|---:|---|---:|---:|---:|---:|",
         ]
         for r in shares:
             out.append(
-                f"| {r['model']} | {r['vocab']:,} | {r['mode']} | {r['batch']} "
+                f"| {r['model']} | {r['prompts']} | {r['vocab']:,} | {r['mode']} | {r['batch']} "
                 f"| {r['forward_ms']:.1f} | {r['verify_math_ms']:.1f} | {100 * r['share']:.1f} % |"
             )
     return "\n".join(out) + "\n"
@@ -246,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", action="append", default=[], help="also time against this model")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.model:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # "sequence longer than the model" on whole files
     vocabs = (8192, 128256) if args.quick else (8192, 49152, 128256, 262144)
     batches = (1, 16) if args.quick else (1, 16, 64)
     rows = []
