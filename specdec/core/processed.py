@@ -189,6 +189,8 @@ def _full_lse(logits, temperature, tau, z_max, scaled: bool = False) -> torch.Te
         rows = slice(start, start + step)
         block = logits[rows], temperature[rows], z_max[rows]
         out.append(_row_lse(*block, None if every else tau[rows], scaled and every))
+    if not out:
+        return torch.zeros(0, dtype=torch.float64, device=logits.device)
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
