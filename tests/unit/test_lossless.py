@@ -15,12 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-import specdec.core.verify as verify_mod
+import specdec.core.next_token as next_token_mod
+from specdec.core.next_token import residual_distribution
 from specdec.core.params import SamplingParams
 from specdec.core.proposal import dense_q, propose_step
 from specdec.core.rng import seed_tensor
 from specdec.core.sampling import batched_probs, one_hot, probs_from_logits
-from specdec.core.verify import acceptance_probability, residual_distribution, verify_block
+from specdec.core.verify import acceptance_probability, verify_block
 
 
 def output_distribution(p: torch.Tensor, q: torch.Tensor, resample=None) -> torch.Tensor:
@@ -259,7 +260,7 @@ def test_negative_control_accept_all_is_rejected(model_pair, name):
 @pytest.mark.parametrize("name", ["raw", "top_p"])
 def test_negative_control_redraw_from_p_is_rejected(model_pair, monkeypatch, name):
     draft, target = model_pair
-    monkeypatch.setattr(verify_mod, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(next_token_mod, "residual_distribution", lambda p, q: p)
     samples = run_rounds(draft, target, PARAMS[name], 2, TRIALS, seed=99)
     assert chi_square_pvalue(samples, exact_joint(target, PARAMS[name])) < P_FAIL
 

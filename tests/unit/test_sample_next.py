@@ -5,9 +5,9 @@ flat rows (located by chunk masses, then sampled exactly inside one chunk)."""
 import pytest
 import torch
 
+from specdec.core.next_token import draw_next, sample_next
 from specdec.core.params import SamplingParams
 from specdec.core.processed import ProcessorParams, process
-from specdec.core.verify import draw_next, sample_next
 
 VOCAB, K, DRAWS = 5000, 16, 200
 
