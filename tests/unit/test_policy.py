@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.policy import AdaptiveGamma, BatchPlan, CostModel, RoundTiming
+from coordinator.batch_plan import BatchPlan
+from coordinator.policy import AdaptiveGamma, CostModel, RoundTiming
 from specdec.core.perf_model import expected_tokens
 
 
@@ -498,10 +499,10 @@ def test_the_batch_plan_logs_each_window_it_closes_at_debug(caplog):
             for _ in range(3):
                 plan.observe(plan.ticket(passes), gamma, 0.05 if gamma else 0.04)
 
-    with caplog.at_level(logging.INFO, logger="coordinator.policy"):
+    with caplog.at_level(logging.INFO, logger="coordinator.batch_plan"):
         run_windows(BatchPlan(window_passes=4, settle_passes=1, min_rounds=2))
     assert not [r for r in caplog.records if "batch plan" in r.getMessage()]
-    with caplog.at_level(logging.DEBUG, logger="coordinator.policy"):
+    with caplog.at_level(logging.DEBUG, logger="coordinator.batch_plan"):
         run_windows(BatchPlan(window_passes=4, settle_passes=1, min_rounds=2))
     lines = [r.getMessage() for r in caplog.records if "batch plan" in r.getMessage()]
     assert lines[0].startswith("batch plan: window 1 (passes 0-4) γ=3 plan, 9 rounds measured")

@@ -1,0 +1,201 @@
+"""The batch plan: the γ every session that shares verify passes uses, chosen from what
+rounds at each γ measured (windows of passes, probes compared side by side). The policy of
+`coordinator.policy` defers to it in batches; its class docstring is the whole design."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+
+from specdec.core.perf_model import expected_tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchPlan:
+    """The γ every batched session uses, chosen from what rounds at each γ measured.
+
+    Sessions sharing verify passes must choose alike (a pass pads every block to the longest),
+    and the cost model's forecast of a whole batch is least reliable where it matters most:
+    under load the round time hangs on how sessions fall into passes (two groups alternating
+    on the target while the other drafts, a queue), which no affine fit of one pass sees. So
+    in batches γ is held for a window of `window_passes` verify passes, and each window's
+    rounds at that γ measure its round time: the median (a new session's prefill makes a few
+    rounds many times longer) of the rounds chosen `settle_passes` after the window began,
+    when every session has switched, leaving out each session's first rounds; its rate is
+    E(α̂, γ) / that time.
+
+    The load itself moves meanwhile (sessions arrive and finish), and a rate measured at 16
+    sessions cannot be compared with one measured at 4. So γs are only ever compared side by
+    side: every `probe_every`-th window tries another γ, and the window at the plan's γ after
+    it confirms — the probe replaces the plan only when its rate beats the mean of the plan's
+    windows just before and just after it (A/B/A: a steady drift of the load cancels) by
+    `margin`. Probes go in turn to γ = 0 (speculation off), a neighbour of the plan, the cost
+    model's choice among γ ≥ 1, a neighbour again; where a kind's γ is the plan's own or was
+    probed lately, a neighbour instead: γ ± 1, the one probed longest ago (towards the cost
+    model's choice on a tie). A probe that wins becomes the plan and is followed at once by
+    one more step the same way (unless that γ lost a probe lately), so the plan climbs a step
+    per probe. Neighbours let the plan climb to the best γ; the others are there because the
+    rate need not be unimodal in γ: every γ > 0 pays the draft call's fixed costs, so γ = 1
+    can be worse than both γ = 0 and γ = 3. A window closes only after `min_rounds` measured
+    rounds (or three windows' passes, at a very low load). When the plan's γ measured nothing
+    for `max_age` windows' passes (at the start, after a pause) the plan starts again from the
+    forecast, and its first 3 windows each end with a probe."""
+
+    PROBES = ("off", "neighbour", "model", "neighbour")
+
+    window_passes: int = 4
+    settle_passes: int = 1
+    probe_every: int = 6
+    max_age: int = 12
+    min_rounds: int = 4
+    margin: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.window_passes < 1 or not 0 <= self.settle_passes < self.window_passes:
+            raise ValueError("window_passes must be >= 1 and 0 <= settle_passes < window_passes")
+        if self.probe_every < 0 or self.max_age < 1 or self.min_rounds < 1 or self.margin < 0:
+            raise ValueError("probe_every and margin must be >= 0, max_age and min_rounds >= 1")
+        self.gamma: int | None = None  # this window's γ
+        self.best: int | None = None  # the plan's γ (what probes return to)
+        self.window = 0  # this window's number
+        self.start = 0  # the verify pass it began at
+        self.times: list[float] = []  # its measured rounds' times
+        self.measured: dict[int, tuple[float, int]] = {}  # γ -> (median round s, at pass)
+        self.ratios: dict[int, tuple[float, int]] = {}  # γ -> (its last probe / the plan, pass)
+        self.passes = 0  # the latest verify pass number seen
+        self._since_probe = self.probe_every - 1  # the first probe after the first window
+        self._probes = 0
+        self._probe_from: int | None = None  # the plan's γ when this window is a probe
+        self._before: float | None = None  # the plan's rate in the window before the probe
+        self._pending: tuple[int, float, float, int] | None = None  # a probe awaiting its
+        # confirming window: (γ, its rate, the plan's rate before it, the plan's γ)
+        self._started = 1  # the window the plan last started afresh in
+
+    def current(self, passes: int, alpha: float, max_gamma: int, model_best) -> int:
+        """This window's γ (a new window's when the current one is complete).
+        `model_best(low)` is the cost model's choice among γ ≥ low: the first plan, and
+        where probes look."""
+        self.passes = passes
+        if self.gamma is None:
+            self.best = model_best(0)
+            self._begin(passes, self.best)
+        elif passes >= self.start + self.window_passes and (
+            len(self.times) >= self.min_rounds or passes >= self.start + 3 * self.window_passes
+        ):
+            self._close(passes, alpha, max_gamma, model_best)
+        return min(self.gamma, max_gamma)
+
+    def ticket(self, passes: int) -> tuple[int, bool]:
+        """What a session choosing now records, to report its round with: (window, whether
+        its round counts towards the window's measurement)."""
+        return self.window, passes >= self.start + self.settle_passes
+
+    def observe(self, ticket: tuple[int, bool], gamma: int, round_s: float) -> None:
+        window, settled = ticket
+        if settled and window == self.window and gamma == self.gamma:
+            self.times.append(round_s)
+
+    def _fresh(self, entry: tuple[float, int] | None) -> bool:
+        return entry is not None and self.passes - entry[1] <= self.max_age * self.window_passes
+
+    def rate(self, gamma: int, alpha: float) -> float | None:
+        """The rate a session measured at γ in its last window; None if not measured lately
+        (an absolute figure, at the load of that window: decisions compare side by side)."""
+        entry = self.measured.get(gamma)
+        if not self._fresh(entry):
+            return None
+        return expected_tokens(alpha, gamma) / max(entry[0], 1e-12)
+
+    def _begin(self, passes: int, gamma: int) -> None:
+        self.window += 1
+        self.gamma, self.start, self.times = gamma, passes, []
+
+    def _close(self, passes: int, alpha: float, max_gamma: int, model_best) -> None:
+        rate = None
+        if len(self.times) >= self.min_rounds:
+            self.measured[self.gamma] = (statistics.median(self.times), passes)
+            rate = self.rate(self.gamma, alpha)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "batch plan: window %d (passes %d-%d) γ=%d %s, %d rounds measured, "
+                "%s tok/s a session (α̂ %.2f) median %.1f mean %.1f ms",
+                self.window,
+                self.start,
+                passes,
+                self.gamma,
+                "probe" if self._probe_from is not None else "plan",
+                len(self.times),
+                "?" if rate is None else f"{rate:.1f}",
+                alpha,
+                1000 * statistics.median(self.times) if self.times else 0.0,
+                1000 * statistics.fmean(self.times) if self.times else 0.0,
+            )
+        if self._probe_from is not None:  # a probe: the plan's γ again, to confirm
+            if rate is not None and self._before is not None:
+                self._pending = (self.gamma, rate, self._before, self._probe_from)
+            self._probe_from = None
+            self._begin(passes, self.best)
+            return
+        pending, self._pending = self._pending, None
+        if pending is not None and rate is not None and pending[3] == self.best:
+            gamma, probed, before, _ = pending
+            reference = (before + rate) / 2  # the plan's rate around the probe (A/B/A)
+            self.ratios[gamma] = (probed / reference, passes)
+            if probed > reference * (1 + self.margin) and gamma <= max_gamma:
+                # the probe won: it is the plan; on one more step the same way at once
+                step = 1 if gamma > self.best else -1
+                self.best, further = gamma, gamma + step
+                lost = self.ratios.get(further)
+                if 0 <= further <= max_gamma and not (self._fresh(lost) and lost[0] <= 1):
+                    self._before = probed
+                    self._since_probe = 0
+                    self._probe(passes, further, gamma)
+                    return
+                self._begin(passes, gamma)
+                return
+        if (
+            rate is None
+            and self.gamma == self.best
+            and not self._fresh(self.measured.get(self.best))
+        ):  # nothing measured lately (a new load after a pause): start from the forecast
+            self.best, self._started = model_best(0), self.window
+        best = min(self.best, max_gamma)
+        self._since_probe += 1
+        # in the first 3 windows of a (re)start every window probes
+        every = self.probe_every if self.window - self._started >= 3 else 1
+        if self.probe_every == 0 or self._since_probe < every or max_gamma == 0 or rate is None:
+            self._begin(passes, best)
+            return
+        self._since_probe = 0
+        kind = self.PROBES[self._probes % len(self.PROBES)]
+        self._probes += 1
+        probe = {"off": 0, "model": model_best(1)}.get(kind, best)
+        if probe == best or self._fresh(self.ratios.get(probe)):
+            # the plan's own or probed lately: a neighbour instead, the one probed longest
+            # ago (towards the cost model's choice on a tie)
+            towards = model_best(0)
+            sides = [g for g in (best - 1, best + 1) if 0 <= g <= max_gamma]
+            probe = min(
+                sides,
+                key=lambda g: (self.ratios.get(g, (0.0, -1))[1], (g > best) != (towards > best)),
+            )
+        self._before = rate
+        self._probe(passes, probe, best)
+
+    def _probe(self, passes: int, gamma: int, best: int) -> None:
+        self._begin(passes, gamma)
+        self._probe_from = best
+
+    def describe(self, alpha: float) -> str:
+        ratios = " ".join(
+            f"{g}:{entry[0]:.2f}" for g, entry in sorted(self.ratios.items()) if self._fresh(entry)
+        )
+        rate = self.rate(self.best, alpha) if self.best is not None else None
+        now = f"{rate:.1f}" if rate is not None else "?"
+        return (
+            f"plan γ={self.gamma} best={self.best} ({now} tok/s a session) window={self.window} "
+            f"probes against it {ratios}"
+        )
