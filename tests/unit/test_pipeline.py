@@ -7,9 +7,10 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from coordinator.ahead import Ahead, after_guess, block_ahead_holds
 from coordinator.links import BadAnswer
 from coordinator.policy import AdaptiveGamma, RoundTiming
-from coordinator.run import Ahead, RoundOutcome, SessionRun, after_guess, block_ahead_holds
+from coordinator.run import RoundOutcome, SessionRun
 from specdec.core.perf_model import expected_tokens, speedup_draft_ahead, speedup_sync
 from specdec.text.detok import StreamStep
 from specdec.v1 import common_pb2, draft_pb2
