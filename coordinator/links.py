@@ -201,7 +201,8 @@ class SessionLinks:
                 exc,
             )
             self.ctx.count("bad_answers", tier=role)
-            self.ctx.pool(role).mark_dead(address, BAD_ANSWER_QUARANTINE_S)
+            # it answers Info well: out for the whole quarantine, without a probe
+            self.ctx.pool(role).mark_dead(address, BAD_ANSWER_QUARANTINE_S, probe=False)
         else:
             log.warning(
                 "session %s: %s %s failed (%s); failing over",

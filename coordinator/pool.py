@@ -20,6 +20,8 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target
 log = logging.getLogger(__name__)
 
 OLD_CHANNEL_GRACE_S = 60.0
+PROBE_AGAIN_S = 5.0  # a worker that failed a call is out this long, then probed
+PROBE_TIMEOUT_S = 1.0  # the probe's Info deadline (a blackholed worker must not stall refresh)
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Worker:
     in_flight: int = 0
     sessions: set[str] = field(default_factory=set)
     dead_until: float = 0.0
+    probe: bool = False  # it failed a call: answers Info once more before it is picked again
 
     def call(self, method: str):
         """The worker's `method` (Propose, Verify, ...): on its call stream where it has one."""
@@ -82,8 +85,9 @@ class WorkerPool:
             else target_pb2_grpc.TargetWorkerStub(ch)
         )
 
-    def _lanes(self, stub) -> dict[str, CallLane]:
-        if not self.streams:
+    def _lanes(self, stub, info: common_pb2.WorkerInfo) -> dict[str, CallLane]:
+        """A call stream per method where the worker says it serves one (`call_streams`)."""
+        if not (self.streams and info.call_streams):
             return {}
         if self.role == "draft":
             return {"Propose": CallLane(stub.ProposeStream, stub.Propose, draft_pb2.ProposeCall)}
@@ -104,16 +108,22 @@ class WorkerPool:
                 "%s worker %s unreachable: %s %s", self.role, address, exc.code(), exc.details()
             )
             return
-        if info.vocab_fingerprint != self.vocab_fingerprint:
+        if self._refuses(address, info):
             await ch.close()
-            self.refused[address] = (
-                f"vocabulary fingerprint {info.vocab_fingerprint} differs from the target tokenizer's "
-                f"{self.vocab_fingerprint}"
-            )
-            log.error("refusing %s worker %s: %s", self.role, address, self.refused[address])
             return
-        self.workers[address] = Worker(address, self.role, info, ch, stub, self._lanes(stub))
+        self.workers[address] = Worker(address, self.role, info, ch, stub, self._lanes(stub, info))
         log.info("%s worker %s joined (%s)", self.role, address, info.model_name)
+
+    def _refuses(self, address: str, info: common_pb2.WorkerInfo) -> bool:
+        """A worker whose vocabulary is not the coordinator's is refused (and remembered)."""
+        if info.vocab_fingerprint == self.vocab_fingerprint:
+            return False
+        self.refused[address] = (
+            f"vocabulary fingerprint {info.vocab_fingerprint} differs from the target tokenizer's "
+            f"{self.vocab_fingerprint}"
+        )
+        log.error("refusing %s worker %s: %s", self.role, address, self.refused[address])
+        return True
 
     async def _rotate_channels(self) -> None:
         """After the coordinator's certificate files changed, give every worker a new channel
@@ -133,7 +143,9 @@ class WorkerPool:
             worker = self.workers[address]
             old = worker.channel
             worker.channel, worker.stub = ch, self._stub(ch)
-            worker.lanes = self._lanes(worker.stub)  # the old streams end with the old channel
+            worker.lanes = self._lanes(
+                worker.stub, worker.info
+            )  # old streams end with the old channel
             asyncio.get_running_loop().call_later(
                 OLD_CHANNEL_GRACE_S, lambda c=old: asyncio.ensure_future(c.close())
             )
@@ -153,10 +165,38 @@ class WorkerPool:
             for address in list(self.workers):  # static ones are always wanted
                 if address not in wanted:
                     await self.workers.pop(address).channel.close()
+            await self._probe()
+
+    async def _probe(self) -> None:
+        """Workers that failed a call, once their time out is over: back when Info answers,
+        out for another while when not. A static address stays known after its process
+        died (no registry entry expires for it): without the probe every new session would
+        be placed on it, fail once and fail over, again after each time out."""
+        now = time.monotonic()
+        due = [w for w in self.workers.values() if w.probe and w.dead_until <= now]
+        answers = await asyncio.gather(*(self._info(w) for w in due))
+        for worker, info in zip(due, answers):
+            if info is None:
+                worker.dead_until = time.monotonic() + PROBE_AGAIN_S
+            elif self._refuses(worker.address, info):  # another model came up there
+                await self.workers.pop(worker.address).channel.close()
+            else:
+                if info.call_streams != worker.info.call_streams:  # upgraded or rolled back
+                    worker.lanes = self._lanes(worker.stub, info)
+                worker.info, worker.probe = info, False
+                log.info("%s worker %s answers again", self.role, worker.address)
+
+    async def _info(self, worker: Worker) -> common_pb2.WorkerInfo | None:
+        try:
+            return await worker.stub.Info(
+                common_pb2.InfoRequest(), timeout=min(self.timeout_s, PROBE_TIMEOUT_S)
+            )
+        except grpc.RpcError:
+            return None
 
     def alive(self) -> list[Worker]:
         now = time.monotonic()
-        return [w for w in self.workers.values() if w.dead_until <= now]
+        return [w for w in self.workers.values() if w.dead_until <= now and not w.probe]
 
     def pick(self, prefer: str = "", exclude: set[str] | None = None) -> Worker | None:
         """Session affinity first (where its KV is), else the least-loaded live worker."""
@@ -167,10 +207,12 @@ class WorkerPool:
                 return worker
         return min(candidates, key=lambda w: w.load, default=None)
 
-    def mark_dead(self, address: str, for_s: float = 5.0) -> None:
+    def mark_dead(self, address: str, for_s: float = PROBE_AGAIN_S, probe: bool = True) -> None:
+        """Out for `for_s`; with `probe`, back only once it answers Info (see `_probe`)."""
         worker = self.workers.get(address)
         if worker is not None:
             worker.dead_until = time.monotonic() + for_s
+            worker.probe = worker.probe or probe
 
     async def close(self) -> None:
         for worker in self.workers.values():

@@ -6,8 +6,10 @@ stand-in for a compromised or broken worker; the real worker does the actual wor
         [--tls-cert F --tls-key F --tls-ca F]     (mTLS both ways, like a real worker)
 
 Modes: `extra` (one token more than accepted + 1), `vocab` (an id outside the vocabulary),
-`prefix` (the "accepted" tokens differ from the candidates). Prints `READY` once serving and
-`CORRUPTED <n>` after each corrupted answer.
+`prefix` (the "accepted" tokens differ from the candidates). Prints `READY` once serving,
+`VERIFY <session>` for each Verify call, `CORRUPTED <n>` after each corrupted answer and
+`UPSTREAM FAILED …` when the real worker refused the call (the test's failure message
+shows these lines).
 """
 
 from __future__ import annotations
@@ -47,10 +49,16 @@ class Liar:
     async def Info(self, request, context):
         info = await self.stub.Info(request)
         self.vocab = info.vocab_size
+        info.call_streams = False  # it proxies unary calls only
         return info
 
     async def Verify(self, request, context):
-        response = await self.stub.Verify(request)
+        print(f"VERIFY {request.base.session_id}", flush=True)
+        try:
+            response = await self.stub.Verify(request)
+        except Exception as exc:
+            print(f"UPSTREAM FAILED {exc!r}"[:300], flush=True)
+            raise
         corrupt(response, self.mode, self.vocab)
         self.count += 1
         print(f"CORRUPTED {self.count}", flush=True)

@@ -47,6 +47,7 @@ class WorkerService:
             active_sessions=len(self.table),
             address=self.address,
             eos_token_ids=m.eos_token_ids,
+            call_streams=True,  # both tiers serve their call stream (serve_calls)
         )
 
     def admit_call(self) -> None:

@@ -244,7 +244,12 @@ def test_a_compromised_worker_is_failed_over_and_output_stays_exact(secure, hf, 
         with client(secure, f"127.0.0.1:{secure.second_port}") as c:
             out = c.generate(prompt, max_new_tokens=24, ignore_eos=True)
         assert list(out.token_ids) == hf_greedy(hf, prompt, 24)
-        assert liar.corrupted() >= 1, "the session never reached the hostile worker"
+        assert liar.corrupted() >= 1, (
+            "the session never reached the hostile worker:\n"
+            + secure.child("coordinator-b").tail(60)
+            + "\nliar:\n"
+            + "\n".join(liar.lines)
+        )
         assert out.stats.target_failovers >= 1
     finally:
         liar.stop()
@@ -258,7 +263,7 @@ def test_a_worker_without_a_cluster_certificate_never_joins(secure, hf):
             out = c.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True)
         assert list(out.token_ids) == hf_greedy(hf, PROMPTS[1], 24)
         assert liar.corrupted() == 0
-        assert out.stats.target_failovers == 0
+        assert out.stats.target_failovers == 0, secure.child("coordinator-b").tail(60)
     finally:
         liar.stop()
 
