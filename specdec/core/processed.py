@@ -219,9 +219,11 @@ def row_index(rows: list[int]) -> slice | torch.Tensor:
 
 
 def _thresholds(
-    logits: torch.Tensor, pp: ProcessorParams, width: int
+    logits: torch.Tensor, pp: ProcessorParams, width: int, with_log_z: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[bool], torch.Tensor]:
     """(τ, log Z, top z, top ids, fits, log_k) for rows of logits, looking at `width` top values.
+    Without `with_log_z`, log Z is NaN (not computed: the draft's q̃ needs only τ and the
+    window, and a row keeping tokens past it — temperature alone — would cost a whole-row pass).
 
     `fits` is False for a row whose top-p nucleus may extend past the window: its τ and
     log Z are not final (the caller finishes those rows). `log_k`: the log-mass top-p is
@@ -232,11 +234,11 @@ def _thresholds(
     values, ids = torch.topk(logits, width, dim=-1)  # [R, W], descending: order is z's
     z = values.float() / pp.temperature.to(logits.device)[:, None]
     cuts = _cuts_few if few_rows(rows, logits.device) and width <= WIDE else _cuts
-    tau, log_z, fits, log_k = cuts(logits, pp, z)
+    tau, log_z, fits, log_k = cuts(logits, pp, z, with_log_z)
     return tau, log_z, z, ids, fits, log_k
 
 
-def _cuts(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
+def _cuts(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor, with_log_z: bool = True):
     """(τ, log Z, fits, log_k) of rows of logits from their top window z [R, W] (see
     `_thresholds`): the processors' cuts as tensor ops, for any batch on any device."""
     rows, vocab = logits.shape
@@ -266,6 +268,8 @@ def _cuts(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
         m_on, (z[:, 0].double() + torch.log(pp.min_p.clamp(min=1e-300))).float(), ninf
     )
     tau = torch.maximum(torch.maximum(tau_k, tau_p), tau_m)
+    if not with_log_z:
+        return tau, torch.full((rows,), math.nan, dtype=torch.float64), fits.tolist(), log_k
     log_z = _masked_lse(z, tau, z[:, 0])
     past = (z[:, -1] >= tau) & fits & (width < vocab)  # kept tokens past the window
     if bool(past.any()):
@@ -274,7 +278,7 @@ def _cuts(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
     return tau, log_z, fits.tolist(), log_k
 
 
-def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
+def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor, with_log_z: bool = True):
     """`_cuts` for a few rows on a CPU, decided on Python floats. The window's float32 values
     compare exactly as doubles; every exp, log and sum is still torch's op on the values
     `_cuts` gives it (Python's and numpy's exp and log differ from torch's by an ulp now and
@@ -334,7 +338,11 @@ def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor):
         for r, m in enumerate(min_p):
             if m > 0.0:  # z_max + log min_p, rounded to float32 as `.float()` rounds it
                 tau[r] = max(tau[r], float(np.float32(window[r][0] + log_min[r])))
-    log_z = lse(tau, [window[r][-1] >= tau[r] and fits[r] and narrow for r in range(rows)])
+    log_z = (
+        lse(tau, [window[r][-1] >= tau[r] and fits[r] and narrow for r in range(rows)])
+        if with_log_z
+        else [math.nan] * rows
+    )
     return (
         torch.tensor(tau, dtype=torch.float32),
         torch.tensor(log_z, dtype=torch.float64),
@@ -432,14 +440,15 @@ def process(
     bin, never of the whole vocabulary (rows with top-k as well, rare, take the whole row).
     With `window_only` (the draft: q̃ is the top window's kept part) such rows are not
     finished: the whole window is inside their nucleus, so the τ `_thresholds` found (at
-    most the window's last value) keeps exactly the window tokens top-k and min-p keep, and
-    log Z is not computed (NaN) — exact for every token of the window, not beyond."""
+    most the window's last value) keeps exactly the window tokens top-k and min-p keep; and
+    no row's log Z is computed (NaN: q̃ needs only τ and the window, and a row keeping
+    tokens past it, temperature alone, would pay a whole-row pass) — exact for every token
+    of the window, not beyond."""
     logits = logits if logits.dtype == torch.float32 else logits.float()
-    tau, log_z, top_z, top_ids, fits, log_k = _thresholds(logits, pp, window)
-    unfinished = [i for i, row_fits in enumerate(fits) if not row_fits]
-    if window_only and unfinished:
-        log_z[unfinished] = float("nan")
-        unfinished = []
+    tau, log_z, top_z, top_ids, fits, log_k = _thresholds(
+        logits, pp, window, with_log_z=not window_only
+    )
+    unfinished = [] if window_only else [i for i, row_fits in enumerate(fits) if not row_fits]
     vocab, top_k = logits.shape[-1], pp.top_k.tolist()
     with_k = [i for i in unfinished if 0 < top_k[i] < vocab]
     for i in with_k:  # rare: the whole row as the window

@@ -61,8 +61,8 @@ def test_a_large_nucleus_is_cut_from_its_histogram_not_a_sort(monkeypatch):
     monkeypatch.setattr(
         processed_mod,
         "_thresholds",
-        lambda logits, pp, width: (
-            windows.append((len(logits), width)) or real_thresholds(logits, pp, width)
+        lambda logits, pp, width, **kw: (
+            windows.append((len(logits), width)) or real_thresholds(logits, pp, width, **kw)
         ),
     )
     monkeypatch.setattr(
@@ -211,3 +211,35 @@ def test_ties_at_a_wide_cut_are_all_kept_and_normalised():
         assert int(extra.sum()) < int((logits[row] == got.tau[row]).sum())
         assert float(dense.sum()) == pytest.approx(1.0, abs=1e-12)
     assert tied > 0  # the grid did put tokens at the cut that the reference dropped
+
+
+@pytest.mark.parametrize("rows", [1, 12])  # Python floats for a few rows, tensor ops beyond
+@pytest.mark.parametrize("skip", [True, False])  # False: the negative control
+def test_the_draft_step_makes_no_whole_row_pass_for_temperature_alone(monkeypatch, rows, skip):
+    """At temperature alone every token is kept, so a whole-row log Z would take a pass over
+    the row; the draft's q̃ needs only τ and the window, so it takes none, and its candidates
+    and q̃ are those of a step that computes log Z, bit for bit."""
+    logits = logits_of("peaked", rows, 20_000, seed=5)
+    params = [SamplingParams(temperature=0.9)] * rows
+    args = (logits, params, seed_tensor(range(rows)), torch.arange(rows) + 3, 32, [False] * rows)
+    real_thresholds, real_full = processed_mod._thresholds, processed_mod._full_lse
+    monkeypatch.setattr(  # the step as it was: log Z computed, then dropped
+        processed_mod, "_thresholds", lambda *a, with_log_z=True: real_thresholds(*a, True)
+    )
+    reference = propose_step(*args)
+    if skip:
+        monkeypatch.setattr(processed_mod, "_thresholds", real_thresholds)
+    passes = []
+    monkeypatch.setattr(
+        processed_mod,
+        "_full_lse",
+        lambda x, *a, **kw: passes.append(len(x)) or real_full(x, *a, **kw),
+    )
+    step = propose_step(*args)
+    assert torch.equal(step.tokens, reference.tokens)
+    assert torch.equal(step.dist_ids, reference.dist_ids)
+    assert torch.equal(step.dist_weights, reference.dist_weights)
+    if skip:
+        assert passes == []
+    else:
+        assert passes, "the negative control: log Z at temperature alone is a whole-row pass"

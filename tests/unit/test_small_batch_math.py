@@ -209,9 +209,9 @@ def test_negative_control_a_slightly_different_top_p_is_caught(monkeypatch):
     """The small-batch path cutting at 0.1 % less top-p: some τ differ."""
     real = processed_mod._cuts_few
 
-    def nudged(logits, pp, z):
+    def nudged(logits, pp, z, *rest):
         top_p = torch.where(pp.top_p < 1.0, pp.top_p * (1 - 1e-3), pp.top_p)
-        return real(logits, ProcessorParams(pp.temperature, pp.top_k, top_p, pp.min_p), z)
+        return real(logits, ProcessorParams(pp.temperature, pp.top_k, top_p, pp.min_p), z, *rest)
 
     monkeypatch.setattr(processed_mod, "_cuts_few", nudged)
     assert compare_process(monkeypatch, 300, seed=6)[1] > 0
@@ -224,7 +224,9 @@ def test_negative_control_a_window_one_ulp_off_is_caught(monkeypatch):
     monkeypatch.setattr(
         processed_mod,
         "_cuts_few",
-        lambda logits, pp, z: real(logits, pp, torch.nextafter(z, torch.tensor(float("inf")))),
+        lambda logits, pp, z, *rest: real(
+            logits, pp, torch.nextafter(z, torch.tensor(float("inf"))), *rest
+        ),
     )
     assert compare_process(monkeypatch, 100, seed=7)[1] > 0
 
