@@ -71,7 +71,9 @@ def after_guess(answer: draft_pb2.ProposeResponse) -> draft_pb2.ProposeResponse:
 
 class DraftsAhead:
     """The blocks drafted ahead of a session's rounds: a part of `SessionRun`, which holds the
-    state these use (its links, policy, record, committed prefix and settings)."""
+    state these use (its links, policy, record, committed prefix and settings) and its
+    `gamma_within` and `propose_request`, so a block ahead is bounded and asked for as a
+    round's own Propose is."""
 
     ahead: Ahead | None
 
@@ -102,22 +104,14 @@ class DraftsAhead:
         # verifies at most `left - 1` candidates (choose_gamma's bound)
         left = self.max_new_tokens - self.produced - gamma - 1
         fixed = self.record.gamma
-        next_gamma = self.policy.choose() if fixed is None else fixed
-        budget = min(next_gamma, self.ctx.settings.max_speculative_tokens, left - 1)
+        budget = self.gamma_within(left)
         # the guess takes one of the draft's steps: past its limit, no block ahead (a fixed γ
         # must stay what choose_gamma would give, or the seeded text would change)
         next_gamma = min(budget, worker.info.max_speculative_tokens - 1)
         if next_gamma < 1 or (fixed is not None and next_gamma < budget):
             return None
         optimistic = self.committed + list(proposal.candidate_ids)
-        build = lambda base, delta: draft_pb2.ProposeRequest(  # noqa: E731
-            base=base,
-            delta=delta,
-            num_speculative_tokens=next_gamma + 1,
-            sampling=self.processors,
-            seed=self.record.seed,
-            min_confidence=self.ctx.settings.draft_confidence,
-        )
+        build = self.propose_request(next_gamma + 1)
         task = asyncio.create_task(
             self._propose_ahead(optimistic, build, next_gamma + 1, len(self.committed))
         )

@@ -143,9 +143,8 @@ class WorkerPool:
             worker = self.workers[address]
             old = worker.channel
             worker.channel, worker.stub = ch, self._stub(ch)
-            worker.lanes = self._lanes(
-                worker.stub, worker.info
-            )  # old streams end with the old channel
+            # the old streams end with the old channel
+            worker.lanes = self._lanes(worker.stub, worker.info)
             asyncio.get_running_loop().call_later(
                 OLD_CHANNEL_GRACE_S, lambda c=old: asyncio.ensure_future(c.close())
             )

@@ -254,25 +254,32 @@ class SessionRun(DraftsAhead):
         """The request's γ, else the adaptive policy's; never past the length budget."""
         if self.links.draft.worker is None:
             return 0
-        remaining = self.max_new_tokens - self.produced
-        fixed = self.record.gamma
         self.policy.pipeline = self.pipeline_mode()
+        return max(self.gamma_within(self.max_new_tokens - self.produced), 0)
+
+    def gamma_within(self, remaining: int) -> int:
+        """The request's γ, else the adaptive policy's, bounded by --max-speculative-tokens
+        and by `remaining` tokens of the length budget (γ candidates and the next token)."""
+        fixed = self.record.gamma
         gamma = self.policy.choose() if fixed is None else fixed
-        gamma = min(gamma, self.ctx.settings.max_speculative_tokens, remaining - 1)
-        return max(gamma, 0)
+        return min(gamma, self.ctx.settings.max_speculative_tokens, remaining - 1)
+
+    def propose_request(self, steps: int):
+        """The Propose for `steps` draft steps, as `SessionLinks` builds it (base, delta)."""
+        return lambda base, delta: draft_pb2.ProposeRequest(
+            base=base,
+            delta=delta,
+            num_speculative_tokens=steps,
+            sampling=self.processors,
+            seed=self.record.seed,
+            min_confidence=self.ctx.settings.draft_confidence,
+        )
 
     async def propose(self, gamma: int) -> draft_pb2.ProposeResponse | None:
         """Step 1: γ candidates and their q̃ from the draft tier (None: go target-only)."""
         return await self.links.propose(
             self.committed,
-            lambda base, delta: draft_pb2.ProposeRequest(
-                base=base,
-                delta=delta,
-                num_speculative_tokens=gamma,
-                sampling=self.processors,
-                seed=self.record.seed,
-                min_confidence=self.ctx.settings.draft_confidence,
-            ),
+            self.propose_request(gamma),
             gamma,
             keep_gamma=self.record.gamma is not None,
         )
