@@ -47,6 +47,7 @@ def build(settings: DraftSettings):
                 settings.dtype,
                 settings.threads,
                 settings.linear_kernel,
+                settings.batch_attention,
             )
         )
         proposer = ModelProposer(runtime, settings.wire_top_k)

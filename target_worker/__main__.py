@@ -43,6 +43,7 @@ def build(settings: TargetSettings):
             settings.dtype,
             settings.threads,
             settings.linear_kernel,
+            settings.batch_attention,
         )
     )
     return TargetService(TargetEngine(runtime), settings, address="")

@@ -190,6 +190,7 @@ def worker_config(role: str) -> dict[str, Schema]:
         "device": {"type": ["string", "null"], "pattern": "^(auto|cpu|cuda(:[0-9]+)?)$"},
         "dtype": string(["auto", "float32", "float16", "bfloat16"], nullable=True),
         "linearKernel": string(["auto", "packed", "default"], nullable=True),
+        "batchAttention": string(["auto", "sessions", "padded"], nullable=True),
         "maxSessions": integer(1, nullable=True),
         "maxKvMb": integer(1, nullable=True),
         "maxSpeculativeTokens": integer(1, nullable=True),

@@ -68,10 +68,11 @@ class KVSession:
         """Views of the computed KV of one layer: [heads, kv_len, head_dim] each."""
         return self.keys[layer][:, : self.kv_len], self.values[layer][:, : self.kv_len]
 
-    def reserve(self, length: int) -> None:
-        """Make room for KV up to `length` tokens (buffers grow by doubling)."""
+    def reserve(self, length: int, like: list[torch.Tensor] | None = None) -> None:
+        """Make room for KV up to `length` tokens (buffers grow by doubling); a session with
+        no buffers yet takes the per-layer shape, dtype and device of `like`."""
         if length > self.capacity:
-            self._grow(max(length, 2 * self.capacity, 64), self.keys)
+            self._grow(max(length, 2 * self.capacity, 64), self.keys or like or [])
 
     def append_kv(self, new_keys: list[torch.Tensor], new_values: list[torch.Tensor]) -> None:
         """Append KV [heads, n, head_dim] per layer after kv_len (buffers grow by doubling)."""

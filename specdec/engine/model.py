@@ -7,9 +7,12 @@ only those tokens (an FR-Spec draft: the 49k–256k-row head is most of a small 
 `forward` returns logits over them in that order, and `head_ids` maps a column to its token
 id. Only a draft may have one: verification needs the target's full distribution.
 
-A batch of sessions is run as ONE forward: each session's cached KV is left-padded to
-the longest cache, its new tokens right-padded to the longest input, padding masked out, and
-positions given per session; afterwards each session's new KV is appended to its own buffers.
+A batch of sessions is run as ONE forward: new tokens right-padded to the longest input,
+positions given per session. Its attention, on a CPU, reads each session's own KV buffers
+(`session_attention`: nothing copied, nothing padded); for a model that does not qualify, or
+with `batch_attention="padded"`, each session's cached KV is left-padded into a batch copy
+(`batch_kv.BatchKV`, reused while the same sessions come back) and its new KV appended to its
+own buffers afterwards.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache
 
+from specdec.engine import session_attention
 from specdec.engine.batch_kv import BATCH_KV_HEADROOM, BatchKV, BufferLayer
 from specdec.engine.kernels import pack_linears
 from specdec.engine.kv import KVSession
@@ -40,6 +44,7 @@ class RuntimeSettings:
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16
     threads: int = 1
     linear_kernel: str = "auto"  # auto | packed | default (specdec.engine.kernels)
+    batch_attention: str = "auto"  # auto | sessions | padded (specdec.engine.session_attention)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -90,6 +95,21 @@ class ModelRuntime:
             else "torch's own linear kernels",
         )
         self._last_batch: BatchKV | None = None  # model thread only
+        # per layer an empty [kv_heads, 0, head_dim] KV tensor (shape, dtype and device of a
+        # session's buffers) when attention reads the sessions' own buffers; None: padded
+        self._kv_like: list[torch.Tensor] | None = session_attention.install(
+            self, settings.batch_attention
+        )
+        log.info(
+            "model %s: batched attention %s",
+            self.model_name,
+            "over each session's own KV" if self.session_attention else "over a padded batch copy",
+        )
+
+    @property
+    def session_attention(self) -> bool:
+        """Whether a batch's attention reads each session's own KV (no batch copy)."""
+        return self._kv_like is not None
 
     @property
     def batch_kv_bytes(self) -> int:
@@ -127,6 +147,9 @@ class ModelRuntime:
         for i, tokens in enumerate(inputs):
             input_ids[i, : lengths[i]] = torch.tensor(tokens)
             positions[i] = cached[i] + torch.arange(max_new)
+        kept = _kept_positions(lengths, max_new, keep)
+        if self._kv_like is not None:
+            return self._forward_sessions(sessions, inputs, input_ids, positions, kept, keep)
         in_place = batch == 1 and cached[0] > 0  # a lone session: its own buffers are the cache
         reused, attention = None, None
         if in_place:
@@ -138,7 +161,6 @@ class ModelRuntime:
         else:  # nothing cached yet: right-padded inputs only
             cache = DynamicCache(config=self.model.config)
             attention = (torch.arange(max_new)[None] < torch.tensor(lengths)[:, None]).long()
-        kept = _kept_positions(lengths, max_new, keep)
         out = self.model(
             input_ids=input_ids.to(self.device),
             attention_mask=None if attention is None else attention.to(self.device),
@@ -165,6 +187,30 @@ class ModelRuntime:
             reused.advance(lengths, max_new)
         if keep is None:
             return [logits[i, : lengths[i]] for i in range(batch)]
+        return logits
+
+    def _forward_sessions(self, sessions, inputs, input_ids, positions, kept, keep):
+        """`forward` with attention over each session's own buffers (`session_attention`):
+        the new KV is written there during the pass, nothing is copied before or after."""
+        lengths = [len(t) for t in inputs]
+        for session, n in zip(sessions, lengths):
+            session.reserve(session.kv_len + n, self._kv_like)
+        rows = session_attention.SessionRows(sessions, lengths)
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            position_ids=positions.to(self.device),
+            use_cache=False,
+            logits_to_keep=kept.to(self.device) if isinstance(kept, torch.Tensor) else kept,
+            specdec_rows=rows,
+        )
+        logits = out.logits.float()
+        for session, tokens in zip(sessions, inputs):
+            start = session.kv_len
+            session.kv_len += len(tokens)
+            session.writes += 1
+            session.tokens[start : start + len(tokens)] = tokens
+        if keep is None:
+            return [logits[i, : lengths[i]] for i in range(len(sessions))]
         return logits
 
     def _session_cache(self, session: KVSession) -> Cache:

@@ -45,6 +45,7 @@ SERVICES = {
     "bench policy-ab": "bench.policy_ab",
     "bench process-ab": "bench.process_ab",
     "bench kernels": "bench.kernels",
+    "bench attention-ab": "bench.attention_ab",
 }
 
 

@@ -26,6 +26,13 @@ class WorkerSettings(SecurityFlags):
         "and checked against torch's own) | packed (that, or fail) | default (torch's own)",
         ["auto", "packed", "default"],
     )
+    batch_attention: str = opt(
+        "auto",
+        "attention of a batched forward: auto (over each session's own KV on a CPU, where the "
+        "model qualifies and agrees on a check at load; else a padded batch copy) | sessions "
+        "(that, or fail) | padded",
+        ["auto", "sessions", "padded"],
+    )
     max_sessions: int = opt(256, "sessions whose KV is cached (LRU beyond)")
     max_kv_mb: int = opt(1024, "KV cache memory budget in MiB (LRU eviction beyond)")
     max_speculative_tokens: int = opt(16, "largest γ accepted")

@@ -244,6 +244,7 @@ def test_env_carries_configured_flags(chart):
                 "maxKvMb": 1048576,
                 "dtype": "bfloat16",
                 "linearKernel": "default",
+                "batchAttention": "padded",
                 "device": "cuda:1",
             }
         },
@@ -267,6 +268,8 @@ def test_env_carries_configured_flags(chart):
     assert target["SPECDEC_MAX_KV_MB"] == "1048576"  # not "1.048576e+06"
     assert target["SPECDEC_DTYPE"] == "bfloat16"
     assert target["SPECDEC_LINEAR_KERNEL"] == "default"
+    assert target["SPECDEC_BATCH_ATTENTION"] == "padded"
+    assert draft["SPECDEC_BATCH_ATTENTION"] == "auto"
     assert draft["SPECDEC_LINEAR_KERNEL"] == "auto"  # the chart's default, the program's too
     assert target["SPECDEC_DEVICE"] == "cuda:1"
     assert target["SPECDEC_MODEL"] == "/models/target"

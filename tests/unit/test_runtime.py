@@ -1,4 +1,5 @@
-"""Model runtime and KV state: cropping and batching never change what the model computes."""
+"""Model runtime and KV state: cropping and batching never change what the model computes,
+with attention over each session's own KV (the default on a CPU) and over a padded batch."""
 
 from __future__ import annotations
 
@@ -6,15 +7,27 @@ import pytest
 import torch
 
 from specdec.core.prefix import common_prefix_len, fingerprint
+from specdec.engine import session_attention
 from specdec.engine.kv import KVSession
 from specdec.engine.model import ModelRuntime, RuntimeSettings
 
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["target", "gpt2"])
+def load(model_dir: str, attention: str = "auto") -> ModelRuntime:
+    return ModelRuntime(
+        RuntimeSettings(model_dir, device="cpu", threads=1, batch_attention=attention)
+    )
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("target", "sessions"), ("target", "padded"), ("gpt2", "sessions"), ("gpt2", "padded")],
+    ids="-".join,
+)
 def runtime(request, model_dirs) -> ModelRuntime:
-    return ModelRuntime(RuntimeSettings(model_dirs[request.param], device="cpu", threads=1))
+    model, attention = request.param
+    return load(model_dirs[model], attention)
 
 
 def fresh_logits(runtime: ModelRuntime, history: list[int]) -> torch.Tensor:
@@ -90,6 +103,8 @@ def test_rounds_of_a_batch_reuse_its_kv_and_equal_one_at_a_time(runtime):
     """Verify-like rounds on the same batch: candidates in, a random number kept (crop), the
     rest become holes in the reused batch buffers; every round's logits equal a fresh forward
     of the true history. A session written elsewhere, or a new batch, gets a fresh copy."""
+    if runtime.session_attention:
+        pytest.skip("no batch copy: attention reads each session's own KV")
     gen = torch.Generator().manual_seed(1)
     rand = lambda n: torch.randint(1, runtime.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
     sessions = []
@@ -118,6 +133,75 @@ def test_rounds_of_a_batch_reuse_its_kv_and_equal_one_at_a_time(runtime):
             keep = len(full) - int(torch.randint(0, len(block), (1,), generator=gen))
             session.crop(keep)  # a rejection: the tail becomes a hole in the batch buffers
     assert 2 <= builds <= 4  # the first round, after the outside write, and when full
+
+
+def test_batches_that_change_every_pass_copy_no_kv_and_equal_one_at_a_time(runtime):
+    """Verify-like passes over a different subset of the sessions each time (sessions finish,
+    arrive, or two groups take turns on the target), blocks of different lengths, a random
+    number kept: every pass's logits equal a fresh forward of the true history; with
+    attention over the sessions' own KV no batch copy is ever made."""
+    gen = torch.Generator().manual_seed(2)
+    rand = lambda n: torch.randint(1, runtime.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    sessions = []
+    for i, n in enumerate((5, 21, 2, 13, 8)):
+        session = KVSession(str(i))
+        session.sync(rand(n))
+        sessions.append(session)
+    runtime.forward(sessions, [s.pending() for s in sessions])  # one prefill of 5 lengths
+    for round_ in range(10):
+        chosen = [s for s in sessions if torch.rand(1, generator=gen) < 0.6] or sessions[:1]
+        blocks = [s.pending() + rand(int(torch.randint(1, 6, (1,), generator=gen))) for s in chosen]
+        before = [list(s.tokens) for s in chosen]
+        out = runtime.forward(chosen, blocks)
+        for session, history, block, logits in zip(chosen, before, blocks, out):
+            full = history[: session.kv_len - len(block)] + block
+            expected = fresh_logits(runtime, full)[-len(block) :]
+            assert torch.allclose(logits, expected, atol=ATOL), round_
+            assert torch.equal(logits.argmax(-1), expected.argmax(-1)), round_
+            session.crop(len(full) - int(torch.randint(0, len(block), (1,), generator=gen)))
+    if runtime.session_attention:
+        assert runtime.batch_kv_bytes == 0
+    else:
+        assert runtime.batch_kv_bytes > 0
+
+
+def test_auto_attends_per_session_on_a_cpu_where_the_model_qualifies(model_dirs):
+    assert load(model_dirs["target"]).session_attention
+    assert not load(model_dirs["target"], "padded").session_attention
+
+
+def test_a_model_with_sliding_windows_keeps_the_padded_batch(model_dirs, monkeypatch):
+    """A config whose attention would need a mask the per-session path does not build."""
+    real = session_attention._unfit
+
+    def windowed(model, mode):
+        model.config.sliding_window = 4
+        return real(model, mode)
+
+    monkeypatch.setattr(session_attention, "_unfit", windowed)
+    assert not load(model_dirs["target"]).session_attention
+    with pytest.raises(ValueError, match="batch_attention: sessions does not fit.*sliding-window"):
+        load(model_dirs["target"], "sessions")
+
+
+def test_the_check_at_load_catches_attention_that_is_wrong(model_dirs, monkeypatch):
+    """Negative control of the check at load: per-session attention without its causal mask
+    (each new token would see the tokens after it) is found and not used."""
+    real = session_attention.SessionRows.__init__
+
+    def unmasked(self, sessions, lengths):
+        real(self, sessions, lengths)
+        self.masks = [None] * len(sessions)
+
+    monkeypatch.setattr(session_attention.SessionRows, "__init__", unmasked)
+    assert not load(model_dirs["target"]).session_attention
+    with pytest.raises(ValueError, match="found other logits"):
+        load(model_dirs["target"], "sessions")
+
+
+def test_batch_attention_names_the_field_of_a_bad_value(model_dirs):
+    with pytest.raises(ValueError, match="batch_attention: expected one of"):
+        load(model_dirs["target"], "paged")
 
 
 def test_fingerprint_and_prefix():

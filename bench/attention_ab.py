@@ -1,0 +1,174 @@
+"""Batched attention over each session's own KV against the padded batch copy, under load.
+
+    python -m bench.attention_ab [--concurrency 16] [--prompts 24] [--tokens 128]
+                                 [--gammas 0,4,adaptive] [--repeats 3]
+                                 [--target-model models/target] [--draft-model models/draft]
+                                 [--out results/attention_ab]
+
+First, in one process (1 torch thread), one target forward pass of `--concurrency` sessions
+(cached contexts of ~`--context` tokens, 5 new tokens each, as a γ = 4 verify) under each
+setting: the same batch pass after pass, and two halves of it taking turns (what a batch
+looks like when sessions drift out of step, arrive and finish); median of 10 passes.
+
+Then two stacks of this checkout that differ only in their workers' `--batch-attention`: `auto`
+(attention reads each session's own KV buffers) and `padded` (each session's cached KV
+left-padded into a batch copy, reused while the same sessions come back). Target and draft
+worker 1 thread each. Per repeat, one stack after the other (their order alternates), each
+runs every mode (greedy; T = 0.8, top-p 0.95) and γ (`bench.serving.run_load`: closed-loop
+clients, `--concurrency` in flight, held-out code-pair prompts, EOS ignored). Entries are
+aggregate tokens/s, the median over the repeats; the report also says whether every greedy
+output was the same token for token under both.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from bench.pipeline import MODES, held_out, pair_arguments
+from bench.report import save
+from bench.serving import run_load_sync
+from specdec.engine.kv import KVSession
+from specdec.engine.model import ModelRuntime, RuntimeSettings
+from specdec.launcher.stack import Stack, StackSettings
+from specdec.serving.redis_embedded import free_port
+
+ATTENTION = ("padded", "auto")
+
+
+def gamma_list(text: str) -> list[int | None]:
+    return [None if g == "adaptive" else int(g) for g in text.split(",")]
+
+
+def label(gamma: int | None) -> str:
+    return "adaptive" if gamma is None else f"γ={gamma}"
+
+
+def per_pass(model_dir: str, batch: int, context: int, new: int = 5) -> dict[str, float]:
+    """Median ms of one forward pass per setting: the same batch, and two halves in turn."""
+    times = {}
+    for attention in ATTENTION:
+        for case, ms in _passes(model_dir, attention, batch, context, new).items():
+            times[f"{case}/{attention}"] = ms
+    return times
+
+
+def _passes(model_dir: str, attention: str, batch: int, context: int, new: int) -> dict:
+    runtime = ModelRuntime(RuntimeSettings(model_dir, threads=1, batch_attention=attention))
+    gen = torch.Generator().manual_seed(0)
+    sessions = []
+    for i in range(batch):
+        session = KVSession(str(i))
+        length = context + 13 * i - 6 * batch  # ragged, around `context`
+        session.sync(torch.randint(1, runtime.vocab_size, (length,), generator=gen).tolist())
+        runtime.forward([session], [session.pending()], keep=1)
+        sessions.append(session)
+    block = torch.randint(1, runtime.vocab_size, (new,), generator=gen).tolist()
+
+    def verify(group: list[KVSession]) -> None:
+        runtime.forward(group, [block] * len(group), keep=new)
+        for session in group:
+            session.crop(session.kv_len - new)  # every candidate rejected: same length again
+
+    halves = sessions[: batch // 2], sessions[batch // 2 :]
+    cases = {
+        "the same batch": lambda: verify(sessions),
+        "two halves in turn": lambda: (verify(halves[0]), verify(halves[1])),
+    }
+    times = {}
+    for case, run in cases.items():
+        samples = []
+        for i in range(12):
+            start = time.perf_counter()
+            run()
+            if i >= 2:
+                samples.append(1000 * (time.perf_counter() - start))
+        times[case] = statistics.median(samples)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = pair_arguments("attention-ab", __doc__, 24, 3, "results/attention_ab")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--gammas", default="0,4,adaptive", help="comma-separated; adaptive = unset")
+    p.add_argument("--context", type=int, default=600, help="cached tokens per session, per pass")
+    p.set_defaults(tokens=128)
+    args = p.parse_args(argv)
+    passes = per_pass(args.target_model, args.concurrency, args.context)
+    prompts = held_out(args)
+    gammas = gamma_list(args.gammas)
+    rates: dict[str, list[float]] = {}
+    greedy: dict[str, list[list[int]]] = {}
+    for repeat in range(args.repeats):
+        for attention in ATTENTION if repeat % 2 == 0 else ATTENTION[::-1]:
+            flags = ["--batch-attention", attention]
+            settings = StackSettings(
+                args.target_model,
+                args.draft_model,
+                port=free_port(),
+                draft_threads=1,
+                target_threads=1,
+                target_args=flags,
+                draft_args=flags,
+            )
+            with Stack(settings) as stack:
+                run_load_sync(stack.address, prompts[:4], MODES["greedy"], 2, 16, 4, 300)  # warm
+                for mode, sampling in MODES.items():
+                    for gamma in gammas:
+                        run = run_load_sync(
+                            stack.address,
+                            prompts,
+                            sampling,
+                            gamma,
+                            args.tokens,
+                            args.concurrency,
+                            900,
+                        )
+                        outputs = [r["token_ids"] for r in run["requests"]]
+                        key = f"{mode}/{label(gamma)}/{attention}"
+                        rates.setdefault(key, []).append(sum(map(len, outputs)) / run["wall_s"])
+                        if mode == "greedy":
+                            greedy.setdefault(f"{label(gamma)}/{attention}", outputs)
+                        print(f"repeat {repeat} {key}: {rates[key][-1]:.1f} tok/s", flush=True)
+    same = all(
+        greedy[f"{label(g)}/{a}"] == greedy[f"{label(gammas[0])}/padded"]
+        for g in gammas
+        for a in ATTENTION
+    )
+    lines = [
+        f"# One verify pass of {args.concurrency} sessions (~{args.context} cached tokens, 5 new "
+        "each), 1 torch thread, median ms of 10 passes",
+        "",
+        "| batch | padded | auto (own KV) | auto / padded |",
+        "|---|---:|---:|---:|",
+    ]
+    for case in ("the same batch", "two halves in turn"):
+        padded, auto = (passes[f"{case}/{a}"] for a in ATTENTION)
+        lines.append(f"| {case} | {padded:.1f} | {auto:.1f} | {auto / padded:.2f}× |")
+    lines += [
+        "",
+        f"# Batched attention A/B: concurrency {args.concurrency}, {args.prompts} held-out "
+        f"prompts × {args.tokens} tokens, target and draft worker 1 thread each, median of "
+        f"{args.repeats} runs (aggregate tok/s)",
+        "",
+        "| mode | γ | padded | auto (own KV) | auto / padded |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for mode in MODES:
+        for gamma in gammas:
+            padded, auto = (
+                statistics.median(rates[f"{mode}/{label(gamma)}/{a}"]) for a in ATTENTION
+            )
+            lines.append(
+                f"| {mode} | {label(gamma)} | {padded:.1f} | {auto:.1f} | {auto / padded:.2f}× |"
+            )
+    lines += ["", f"Every greedy output identical under both and at every γ: {same}"]
+    data = {"args": vars(args), "per_pass_ms": passes, "rates": rates}
+    save(args.out, "attention_ab", "\n".join(lines), data)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""Attention over each session's own KV buffers: a batched forward that copies no KV.
+
+A batch of sessions shares every linear layer (one GEMM over all their new tokens), but its
+attention is per session: session i's queries attend to the KV in its own buffers
+(`KVSession.keys[layer][:, :kv_len + n_i]`), into which this pass writes its n_i new keys and
+values first. Nothing is left-padded, no batch copy of the KV is built when the batch changes
+(sessions finishing, arriving, or two groups taking turns on the target), no holes are
+attended over and masked, and nothing is appended afterwards. What it costs: one attention
+call per session and layer, instead of one per layer over the padded batch.
+
+The model runs it through Hugging Face's attention interface (`AttentionInterface`, the way
+vLLM and TGI plug their kernels into `transformers` models): `SessionAttention.install`
+registers it under `IMPLEMENTATION` and switches a model to it, and `ModelRuntime.forward`
+passes the batch's rows as the keyword `specdec_rows` (a call without them, such as a plain
+Hugging Face call of the same model, runs the model's own sdpa attention). A model qualifies
+only if it runs sdpa attention through that interface, every layer attends to the whole causal prefix (no
+sliding window, no logit soft-capping), and a check at load finds the same logits as its own
+attention (`ModelRuntime`); any other model keeps the padded batch (`specdec.engine.batch_kv`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from specdec.engine.kv import KVSession
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATION = "specdec_sessions"
+MODES = ("auto", "sessions", "padded")
+CHECK_RTOL = 1e-4  # the check at load: |Δlogit| ≤ CHECK_RTOL · (1 + max |logit|), same argmax
+
+
+class SessionRows:
+    """One forward's sessions, where each one's new tokens start (its kv_len before the pass)
+    and how many there are (its input is right-padded to the longest)."""
+
+    def __init__(self, sessions: list[KVSession], lengths: list[int]):
+        self.sessions = sessions
+        self.lengths = lengths
+        self.starts = [s.kv_len for s in sessions]
+        # query j of a block starting at s sees keys 0..s+j: a lower triangle shifted right
+        self.masks = [
+            None if n == 1 else torch.ones(n, s + n, dtype=torch.bool, device=_device(x)).tril(s)
+            for x, s, n in zip(sessions, self.starts, lengths)
+        ]
+
+
+def _device(session: KVSession) -> torch.device:
+    return session.keys[0].device
+
+
+def session_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, specdec_rows=None, **_
+):
+    """The attention interface's signature: query [B, heads, q, dim], key/value [B, kv_heads,
+    q, dim] of this pass's tokens only (no cache object is passed); returns [B, q, heads, dim].
+    A call of the model without rows (a plain Hugging Face call) gets the model's own sdpa
+    attention, with its own mask (`sdpa_mask` is registered for this implementation too)."""
+    rows: SessionRows | None = specdec_rows
+    if rows is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **_
+        )
+    layer = module.layer_idx
+    out = query.new_zeros(query.shape)
+    gqa = query.shape[1] != key.shape[1]
+    for i, session in enumerate(rows.sessions):
+        start, n = rows.starts[i], rows.lengths[i]
+        end = start + n
+        keys, values = session.keys[layer], session.values[layer]
+        keys[:, start:end] = key[i, :, :n]
+        values[:, start:end] = value[i, :, :n]
+        out[i, :, :n] = F.scaled_dot_product_attention(
+            query[i : i + 1, :, :n],
+            keys[None, :, :end],
+            values[None, :, :end],
+            attn_mask=rows.masks[i],
+            scale=scaling,
+            enable_gqa=gqa,
+        )[0]
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(IMPLEMENTATION, session_attention)
+AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+
+
+def install(runtime, mode: str) -> list[torch.Tensor] | None:
+    """Switch `runtime.model` to attention over each session's own KV, as `mode` asks:
+    auto (where the model qualifies, on a CPU), sessions (that, or ValueError), padded (never).
+    Returns per layer an empty [kv_heads, 0, head_dim] tensor that new sessions' buffers take
+    their shape, dtype and device from, or None (padded)."""
+    if mode not in MODES:
+        raise ValueError(f"batch_attention: expected one of {list(MODES)}, got {mode!r}")
+    if mode == "padded":
+        return None
+    model = runtime.model
+    reason = _unfit(model, mode)
+    like = None
+    if reason is None:
+        like, reference = _reference(runtime)
+        configs = {id(c): c for c in _configs(model)}.values()
+        before = [(c, c._attn_implementation) for c in configs]
+        for config in configs:
+            config._attn_implementation = IMPLEMENTATION
+        runtime._kv_like = like
+        reason = _disagrees(runtime, reference)
+        runtime._kv_like = None
+        if reason is not None:
+            for config, implementation in before:
+                config._attn_implementation = implementation
+    if reason is None:
+        return like
+    if mode == "sessions":
+        raise ValueError(f"batch_attention: sessions does not fit this model: {reason}")
+    log.info("batched attention over a padded batch copy: %s", reason)
+    return None
+
+
+def _configs(model) -> list:
+    return [model.config] + [m.config for m in model.modules() if hasattr(m, "config")]
+
+
+def _unfit(model, mode: str) -> str | None:
+    """Why the model cannot (or, under auto, should not) attend per session, or None."""
+    config = model.config.get_text_config()
+    if mode == "auto" and model.device.type != "cpu":
+        return (
+            f"on {model.device.type} the padded batch is the default (one attention kernel per "
+            "layer, not one per session; not measured on a GPU yet)"
+        )
+    if config._attn_implementation != "sdpa":
+        return f"it runs {config._attn_implementation} attention, not sdpa"
+    if not type(model)._can_set_attn_implementation():
+        return "its attention does not go through transformers' AttentionInterface"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+        return "some layers do not attend to the whole prefix (layer_types)"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    return None
+
+
+def _check_inputs(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Two sessions of different cached lengths, then blocks of different lengths."""
+    gen = torch.Generator().manual_seed(0)
+    draw = lambda n: torch.randint(1, vocab, (n,), generator=gen).tolist()  # noqa: E731
+    return [draw(9), draw(4)], [draw(3), draw(1)]
+
+
+@torch.inference_mode()
+def _reference(runtime) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The model's own attention, one sequence at a time: the logits of the check's blocks,
+    and the KV shapes of its cache (the templates of the sessions' buffers)."""
+    histories, blocks = _check_inputs(runtime.vocab_size)
+    reference, like = [], None
+    for history, block in zip(histories, blocks):
+        ids = torch.tensor([history + block], device=runtime.device)
+        out = runtime.model(input_ids=ids, use_cache=True)
+        reference.append(out.logits[0, -len(block) :].float())
+        if like is None:
+            like = [layer.keys[0, :, :0].clone() for layer in out.past_key_values.layers]
+    return like, reference
+
+
+def _disagrees(runtime, reference: list[torch.Tensor]) -> str | None:
+    """Run the check's sessions through `runtime.forward` (a batched prefill of different
+    lengths, then a batched step of different lengths); why it differs from the reference."""
+    histories, blocks = _check_inputs(runtime.vocab_size)
+    sessions = [KVSession(f"check-{i}") for i in range(len(histories))]
+    try:
+        for session, history in zip(sessions, histories):
+            session.sync(history)
+        runtime.forward(sessions, [s.pending() for s in sessions])
+        got = runtime.forward(sessions, blocks)
+    except Exception as error:  # any model this path cannot run keeps the padded one
+        return f"the check at load failed ({type(error).__name__}: {error})"
+    for ours, theirs in zip(got, reference):
+        tolerance = CHECK_RTOL * (1.0 + float(theirs.abs().max()))
+        if ours.shape != theirs.shape or float((ours - theirs).abs().max()) > tolerance:
+            return "the check at load found other logits than the model's own attention"
+        if not torch.equal(ours.argmax(-1), theirs.argmax(-1)):
+            return "the check at load found another argmax than the model's own attention"
+    return None
