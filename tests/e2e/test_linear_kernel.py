@@ -1,9 +1,14 @@
-"""`--linear-kernel` on a real worker process: auto packs a float32 CPU model and says so;
-`packed` on a model that cannot run packed (bfloat16) refuses to start, naming the flag."""
+"""`--linear-kernel` and `--batch-attention` on a real worker process: auto packs a float32
+CPU model and says so; `packed` on a model that cannot run packed (bfloat16) refuses to start,
+naming the flag. Auto attends over each session's own KV where the model qualifies (also in
+bfloat16) and says so, keeps the padded batch where it does not and says why; `sessions` on
+such a model refuses to start, naming the flag."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -56,4 +61,35 @@ def test_packed_on_a_model_it_cannot_pack_refuses_to_start(model_dirs):
     )
     assert code not in (None, 0), log
     assert "linear_kernel: packed needs a float32 model" in log
+    assert "Traceback" not in log
+
+
+def test_auto_attends_over_each_sessions_own_kv(model_dirs):
+    code, log = run_worker(model_dirs["target"], "--device", "cpu")
+    assert code is None, log
+    assert "batched attention over each session's own KV" in log
+    code, log = run_worker(model_dirs["target"], "--device", "cpu", "--dtype", "bfloat16")
+    assert code is None, log
+    assert "batched attention over each session's own KV" in log
+
+
+def test_padded_keeps_the_batch_copy(model_dirs):
+    code, log = run_worker(model_dirs["target"], "--device", "cpu", "--batch-attention", "padded")
+    assert code is None, log
+    assert "batched attention over a padded batch copy" in log
+
+
+def test_a_model_that_does_not_qualify_keeps_the_padded_batch(model_dirs, tmp_path):
+    """A config that asks for sliding-window attention, which per-session attention does not
+    mask: auto says why it keeps the padded batch; sessions refuses to start."""
+    windowed = tmp_path / "windowed"
+    shutil.copytree(model_dirs["target"], windowed)
+    config = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
+    code, log = run_worker(str(windowed), "--device", "cpu")
+    assert code is None, log
+    assert "batched attention over a padded batch copy: sliding-window attention" in log
+    code, log = run_worker(str(windowed), "--device", "cpu", "--batch-attention", "sessions")
+    assert code not in (None, 0), log
+    assert "batch_attention: sessions does not fit this model: sliding-window attention" in log
     assert "Traceback" not in log
