@@ -9,13 +9,13 @@ attended over and masked, and nothing is appended afterwards. What it costs: one
 call per session and layer, instead of one per layer over the padded batch.
 
 The model runs it through Hugging Face's attention interface (`AttentionInterface`, the way
-vLLM and TGI plug their kernels into `transformers` models): `SessionAttention.install`
-registers it under `IMPLEMENTATION` and switches a model to it, and `ModelRuntime.forward`
-passes the batch's rows as the keyword `specdec_rows` (a call without them, such as a plain
-Hugging Face call of the same model, runs the model's own sdpa attention). A model qualifies
-only if it runs sdpa attention through that interface, every layer attends to the whole causal prefix (no
-sliding window, no logit soft-capping), and a check at load finds the same logits as its own
-attention (`ModelRuntime`); any other model keeps the padded batch (`specdec.engine.batch_kv`).
+vLLM and TGI plug their kernels into `transformers` models): it is registered under
+`IMPLEMENTATION`, `install` switches a model to it, and `ModelRuntime.forward` passes the
+batch's rows as the keyword `specdec_rows` (a call without them, such as a plain Hugging Face
+call of the same model, runs the model's own sdpa attention). A model qualifies only if it
+runs sdpa through that interface, every layer attends to the whole causal prefix (no sliding
+window, no logit soft-capping), and a check at load finds the logits of its own attention;
+any other model keeps the padded batch (`specdec.engine.batch_kv`).
 """
 
 from __future__ import annotations
