@@ -28,7 +28,9 @@
 # GPU_CHECK_WHEELS (.whl: wheels installed offline first, if any), GPU_CHECK_PACK=1 (pack
 # everything under $OUT into one tar.gz, keeping only it, the log and the summary: a device
 # machine returns at most 8 files), GPU_CHECK_PERTURB_REFERENCE=1 (negative control: step 1
-# must FAIL).
+# must FAIL). The workers inherit SPECDEC_* flags: SPECDEC_BATCH_ATTENTION=sessions runs steps 1
+# and 3 with attention over each session's own KV on the GPU (auto keeps the padded batch copy
+# on CUDA: compare both before changing that default).
 set -u
 set -o pipefail
 
