@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from bench.pipeline import MODES, held_out, pair_arguments
+from bench.pipeline import MODES, gamma_list, held_out, pair_arguments
 from bench.report import save
 from bench.serving import run_load_sync
 from specdec.engine.kv import KVSession
@@ -38,21 +38,17 @@ from specdec.serving.redis_embedded import free_port
 ATTENTION = ("padded", "auto")
 
 
-def gamma_list(text: str) -> list[int | None]:
-    return [None if g == "adaptive" else int(g) for g in text.split(",")]
-
-
 def label(gamma: int | None) -> str:
     return "adaptive" if gamma is None else f"γ={gamma}"
 
 
 def per_pass(model_dir: str, batch: int, context: int, new: int = 5) -> dict[str, float]:
     """Median ms of one forward pass per setting: the same batch, and two halves in turn."""
-    times = {}
-    for attention in ATTENTION:
-        for case, ms in _passes(model_dir, attention, batch, context, new).items():
-            times[f"{case}/{attention}"] = ms
-    return times
+    return {
+        f"{case}/{attention}": ms
+        for attention in ATTENTION
+        for case, ms in _passes(model_dir, attention, batch, context, new).items()
+    }
 
 
 def _passes(model_dir: str, attention: str, batch: int, context: int, new: int) -> dict:

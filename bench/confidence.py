@@ -19,14 +19,10 @@ from __future__ import annotations
 import json
 import statistics
 
-from bench.pipeline import held_out, measure, pair_arguments
+from bench.pipeline import gamma_list, held_out, measure, pair_arguments
 from bench.report import save
 from specdec.launcher.stack import Stack, StackSettings
 from specdec.serving.redis_embedded import free_port
-
-
-def gamma_list(text: str) -> tuple:
-    return tuple(None if g == "adaptive" else int(g) for g in text.split(","))
 
 
 def main(argv: list[str] | None = None) -> int:

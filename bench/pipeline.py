@@ -87,6 +87,11 @@ def pair_arguments(
     return p
 
 
+def gamma_list(text: str) -> tuple[int | None, ...]:
+    """A --gammas value of an A/B bench: comma-separated γs, `adaptive` = unset (None)."""
+    return tuple(None if g == "adaptive" else int(g) for g in text.split(","))
+
+
 def held_out(args) -> list[list[int]]:
     """The `--prompts` held-out prompts (64 tokens each) in the target's tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(args.target_model)

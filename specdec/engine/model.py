@@ -97,9 +97,8 @@ class ModelRuntime:
         self._last_batch: BatchKV | None = None  # model thread only
         # per layer an empty [kv_heads, 0, head_dim] KV tensor (shape, dtype and device of a
         # session's buffers) when attention reads the sessions' own buffers; None: padded
-        self._kv_like: list[torch.Tensor] | None = session_attention.install(
-            self, settings.batch_attention
-        )
+        self._kv_like: list[torch.Tensor] | None = None
+        session_attention.install(self, settings.batch_attention)
         log.info(
             "model %s: batched attention %s",
             self.model_name,
@@ -141,41 +140,35 @@ class ModelRuntime:
         batch = len(sessions)
         cached = [s.kv_len for s in sessions]
         lengths = [len(t) for t in inputs]
-        max_cached, max_new = max(cached), max(lengths)
+        max_new = max(lengths)
         input_ids = torch.zeros(batch, max_new, dtype=torch.long)
         positions = torch.zeros(batch, max_new, dtype=torch.long)
         for i, tokens in enumerate(inputs):
             input_ids[i, : lengths[i]] = torch.tensor(tokens)
             positions[i] = cached[i] + torch.arange(max_new)
         kept = _kept_positions(lengths, max_new, keep)
-        if self._kv_like is not None:
-            return self._forward_sessions(sessions, inputs, input_ids, positions, kept, keep)
-        in_place = batch == 1 and cached[0] > 0  # a lone session: its own buffers are the cache
-        reused, attention = None, None
-        if in_place:
-            sessions[0].reserve(cached[0] + max_new)
-            cache = self._session_cache(sessions[0])
-        elif max_cached > 0:
-            reused = self._batch_kv(sessions, max_cached, max_new)
-            cache, attention = reused.cache(), reused.mask(lengths, max_new)
-        else:  # nothing cached yet: right-padded inputs only
-            cache = DynamicCache(config=self.model.config)
-            attention = (torch.arange(max_new)[None] < torch.tensor(lengths)[:, None]).long()
+        reused: BatchKV | None = None
+        if self._kv_like is not None:  # attention writes and reads each session's own buffers
+            for session, n in zip(sessions, lengths):
+                session.reserve(session.kv_len + n, self._kv_like)
+            rows = session_attention.SessionRows(sessions, lengths)
+            state, written = {"use_cache": False, "specdec_rows": rows}, True
+        else:
+            state, reused, written = self._padded_state(sessions, cached, lengths)
         out = self.model(
             input_ids=input_ids.to(self.device),
-            attention_mask=None if attention is None else attention.to(self.device),
             position_ids=positions.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
             logits_to_keep=kept.to(self.device) if isinstance(kept, torch.Tensor) else kept,
+            **state,
         )
         logits = out.logits.float()  # [B, max_new or keep, vocab]
         for i, session in enumerate(sessions):
             start = session.kv_len
-            if in_place:
+            if written:
                 session.kv_len += lengths[i]
                 session.writes += 1
             else:
+                cache = state["past_key_values"]
                 start_col = reused.width if reused is not None else 0
                 new = slice(start_col, start_col + lengths[i])
                 session.append_kv(
@@ -189,29 +182,29 @@ class ModelRuntime:
             return [logits[i, : lengths[i]] for i in range(batch)]
         return logits
 
-    def _forward_sessions(self, sessions, inputs, input_ids, positions, kept, keep):
-        """`forward` with attention over each session's own buffers (`session_attention`):
-        the new KV is written there during the pass, nothing is copied before or after."""
-        lengths = [len(t) for t in inputs]
-        for session, n in zip(sessions, lengths):
-            session.reserve(session.kv_len + n, self._kv_like)
-        rows = session_attention.SessionRows(sessions, lengths)
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=positions.to(self.device),
-            use_cache=False,
-            logits_to_keep=kept.to(self.device) if isinstance(kept, torch.Tensor) else kept,
-            specdec_rows=rows,
-        )
-        logits = out.logits.float()
-        for session, tokens in zip(sessions, inputs):
-            start = session.kv_len
-            session.kv_len += len(tokens)
-            session.writes += 1
-            session.tokens[start : start + len(tokens)] = tokens
-        if keep is None:
-            return [logits[i, : lengths[i]] for i in range(len(sessions))]
-        return logits
+    def _padded_state(
+        self, sessions: list[KVSession], cached: list[int], lengths: list[int]
+    ) -> tuple[dict, BatchKV | None, bool]:
+        """The model's cache arguments without per-session attention, the batch copy used and
+        whether the pass writes the sessions' own buffers: a lone session's buffers are its
+        cache (written in place), else a padded batch copy of the cached KV (reused when the
+        same sessions come back) with its mask, or right-padded inputs alone."""
+        max_cached, max_new = max(cached), max(lengths)
+        if len(sessions) == 1 and cached[0] > 0:
+            sessions[0].reserve(cached[0] + max_new)
+            return (
+                {"past_key_values": self._session_cache(sessions[0]), "use_cache": True},
+                None,
+                True,
+            )
+        if max_cached > 0:
+            reused = self._batch_kv(sessions, max_cached, max_new)
+            cache, attention = reused.cache(), reused.mask(lengths, max_new)
+        else:  # nothing cached yet
+            reused, cache = None, DynamicCache(config=self.model.config)
+            attention = (torch.arange(max_new)[None] < torch.tensor(lengths)[:, None]).long()
+        mask = attention.to(self.device)
+        return {"past_key_values": cache, "use_cache": True, "attention_mask": mask}, reused, False
 
     def _session_cache(self, session: KVSession) -> Cache:
         """The session's own buffers as the cache of a batch of one."""

@@ -94,40 +94,33 @@ AttentionInterface.register(IMPLEMENTATION, session_attention)
 AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
 
 
-def install(runtime, mode: str) -> list[torch.Tensor] | None:
+def install(runtime, mode: str) -> None:
     """Switch `runtime.model` to attention over each session's own KV, as `mode` asks:
     auto (where the model qualifies, on a CPU), sessions (that, or ValueError), padded (never).
-    Returns per layer an empty [kv_heads, 0, head_dim] tensor that new sessions' buffers take
-    their shape, dtype and device from, or None (padded)."""
+    Installed, `runtime._kv_like` holds per layer an empty [kv_heads, 0, head_dim] tensor
+    that new sessions' buffers take their shape, dtype and device from; else it stays None."""
     if mode not in MODES:
         raise ValueError(f"batch_attention: expected one of {list(MODES)}, got {mode!r}")
     if mode == "padded":
-        return None
-    model = runtime.model
-    reason = _unfit(model, mode)
-    like = None
+        return
+    reason = _unfit(runtime.model, mode)
     if reason is None:
-        like, reference = _reference(runtime)
-        configs = {id(c): c for c in _configs(model)}.values()
-        before = [(c, c._attn_implementation) for c in configs]
-        for config in configs:
+        runtime._kv_like, reference = _reference(runtime)
+        # every config object the model's modules read (a composite model has several)
+        configs = {id(m.config): m.config for m in runtime.model.modules() if hasattr(m, "config")}
+        before = [(c, c._attn_implementation) for c in configs.values()]
+        for config, _ in before:
             config._attn_implementation = IMPLEMENTATION
-        runtime._kv_like = like
         reason = _disagrees(runtime, reference)
-        runtime._kv_like = None
         if reason is not None:
+            runtime._kv_like = None
             for config, implementation in before:
                 config._attn_implementation = implementation
     if reason is None:
-        return like
+        return
     if mode == "sessions":
         raise ValueError(f"batch_attention: sessions does not fit this model: {reason}")
     log.info("batched attention over a padded batch copy: %s", reason)
-    return None
-
-
-def _configs(model) -> list:
-    return [model.config] + [m.config for m in model.modules() if hasattr(m, "config")]
 
 
 def _unfit(model, mode: str) -> str | None:
