@@ -6,6 +6,10 @@ Jobs (JOB["job"]):
 - "costs": per-token latencies at batch 1 with a KV cache, `threads` intra-op threads (1 for
   the performance model): one target step, one draft step, and one target forward of γ+1
   tokens (verify) for γ = 1..max_gamma. Gives c = draft/target and v(γ) = verify/target.
+- "batch_costs": the same per-pass costs at batch N (the concurrency of the run's rows), as
+  the stack's workers run them (`ModelRuntime`: their linear kernels and batched attention, 1
+  intra-op thread): one target pass of N sessions with k new tokens each (k = 1 .. γ+1) and
+  one draft step of N sessions. Gives the bound at concurrency N (`bench.report`).
 - "hf": the in-process peers a user would pick instead of specdec — Hugging Face `generate`
   with the target alone, and assisted generation (`assistant_model=draft`, HF's default
   assistant settings) — one request after another at batch size 1, every token timed with a
@@ -88,6 +92,56 @@ def measure_costs(job: dict) -> dict:
         "c": ms["draft_step"] / step,
         "v": {g: ms[f"verify_{g}"] / step for g in range(1, max_gamma + 1)},
     }
+
+
+@torch.inference_mode()
+def measure_batch_costs(job: dict) -> dict:
+    """Median ms of a target pass of N sessions with k new tokens each, k = 1..max_gamma+1, and
+    of a draft step of N sessions, for each N in job["batches"]. The sessions hold ragged
+    contexts around len(job["context"]) (as a batch of requests at different points does),
+    and every pass is rolled back after it, so each repetition sees the same lengths."""
+    from specdec.engine.kv import KVSession
+    from specdec.engine.model import ModelRuntime, RuntimeSettings
+
+    def runtime(model_dir: str) -> ModelRuntime:
+        settings = RuntimeSettings(model_dir, threads=1, linear_kernel=job["linear_kernel"])
+        return ModelRuntime(settings)
+
+    target, draft = runtime(job["target_model"]), runtime(job["draft_model"])
+    context, max_gamma, reps = job["context"], job["max_gamma"], job["reps"]
+    out = {}
+    for n in job["batches"]:
+        sessions = {}
+        for name, model in (("target", target), ("draft", draft)):
+            group = []
+            for i in range(n):  # ragged: lengths spread ±n/2·3 around the context's
+                session = KVSession(f"{name}-{i}")
+                cut = max(1, len(context) - 3 * (n // 2) + 3 * i)
+                session.sync((context * 2)[i : i + cut])
+                model.forward([session], [session.pending()], keep=1)
+                group.append(session)
+            sessions[name] = group
+        cases = [(f"target_{k}", target, sessions["target"], k) for k in range(1, max_gamma + 2)]
+        cases.append(("draft_1", draft, sessions["draft"], 1))
+        times: dict[str, list[float]] = {name: [] for name, *_ in cases}
+        for rep in range(reps + job["warmup"]):
+            for name, model, group, k in cases:  # interleaved, so drift hits every case alike
+                block = [context[(rep + j) % len(context)] for j in range(k)]
+                start = time.perf_counter()
+                model.forward(group, [block] * len(group), keep=k)
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize(model.device)
+                elapsed = time.perf_counter() - start
+                for session in group:
+                    session.crop(session.kv_len - k)
+                if rep >= job["warmup"]:
+                    times[name].append(elapsed)
+        ms = {name: 1000.0 * statistics.median(t) for name, t in times.items()}
+        out[str(n)] = {
+            "pass_ms": {str(k): ms[f"target_{k}"] for k in range(1, max_gamma + 2)},
+            "draft_step_ms": ms["draft_1"],
+        }
+    return {"threads": torch.get_num_threads(), "context_tokens": len(context), "batches": out}
 
 
 class TokenClock:
@@ -228,6 +282,8 @@ def main(argv: list[str]) -> None:
     torch.set_num_interop_threads(1)
     if job["job"] == "costs":
         result = measure_costs(job)
+    elif job["job"] == "batch_costs":
+        result = measure_batch_costs(job)
     elif job["job"] == "hf":
         result = run_peers(job)
     else:

@@ -62,6 +62,39 @@ def bound_for(row: dict, costs: dict) -> dict:
     }
 
 
+def batch_bound_for(row: dict, batch: dict, n: int) -> dict:
+    """The bound (no network, no coordination, no verify math) of a specdec row with n
+    sessions in flight, from the in-process passes at batch n (`bench.inproc`, "batch_costs"):
+    the sessions in lock-step, each round one draft step of n sessions per candidate, then
+    one target pass of n × (γ + 1) positions, so n·E(α̂, γ) tokens per round; speculation off
+    is one pass of n × 1 a token. γ: the row's (the adaptive policy's mean, the pass time
+    interpolated between whole γ)."""
+    acc = row.get("acceptance") or {}
+    gamma = FIXED_GAMMA.get(row["contender"], acc.get("mean_gamma") or 0.0)
+    alpha = acc.get("alpha") or 0.0
+    passes = {int(k) - 1: ms for k, ms in batch["pass_ms"].items()}  # by γ
+    off_ms = passes[0]
+    low = min(int(gamma), max(passes) - 1)
+    pass_ms = passes[low] + (passes[low + 1] - passes[low]) * (gamma - low)
+    draft_ms = gamma * batch["draft_step_ms"]
+    tokens = metrics._expected(alpha, gamma) if gamma > 0 else 1.0
+    bound = n * tokens / ((pass_ms + draft_ms) / 1000.0)
+    off_bound = n / (off_ms / 1000.0)
+    return {
+        **key(row),
+        "sessions": n,
+        "alpha": alpha,
+        "gamma": gamma,
+        "expected_tokens_per_round": tokens,
+        "pass_ms": pass_ms,
+        "draft_ms": draft_ms,
+        "bound_tokens_per_s": bound,
+        "bound_over_off_bound": bound / off_bound,
+        "measured_tokens_per_s": row["tokens_per_s"],
+        "measured_over_bound": row["tokens_per_s"] / bound,
+    }
+
+
 def key(row: dict) -> dict:
     return {k: row[k] for k in ("contender", "mode", "concurrency")}
 
@@ -156,6 +189,14 @@ def analyse(meta: dict, costs: dict, rows: list[dict], checks: dict, rounds: lis
         for r in rows
         if r["concurrency"] == 1 and r["contender"].startswith("specdec")
     ]
+    batch = costs.get("batch", {})
+    in_flight = batch.get("in_flight", {})
+    batch_bounds = [
+        batch_bound_for(r, batch["batches"][str(n)], n)
+        for r in rows
+        if r["contender"].startswith("specdec")
+        and (n := in_flight.get(str(r["concurrency"]), 1)) > 1
+    ]
     per_position = {
         f"{name}/{mode}": pooled_per_position(rows, name, mode)
         for name in ORDER[3:]
@@ -166,6 +207,7 @@ def analyse(meta: dict, costs: dict, rows: list[dict], checks: dict, rounds: lis
         "costs": costs,
         "rows": rows,
         "bounds": bounds,
+        "batch_bounds": batch_bounds,
         "acceptance_per_position_pooled": per_position,
         "greedy_checks": checks,
         "round_breakdown": with_stack_rounds(rounds, rows),

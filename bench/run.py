@@ -18,6 +18,9 @@ Contenders, on each pair and its held-out prompts, for greedy and for sampling
 Same CPU threads for everyone: the HF peers run in a subprocess with 2 torch threads; the
 stack's target and draft workers get 1 thread each. The HF peers serve at batch size 1, so
 concurrent requests queue behind each other (reported as sequential service).
+Next to them, in-process: the per-token costs at batch 1 (the model bound at concurrency 1)
+and, for each concurrency above 1, the target's pass of N sessions × 1..γ+1 new tokens and the
+draft's step of N sessions (the bound under load, `bench.report.batch_bound_for`).
 Writes results.json, results.md and PNG plots under --out.
 """
 
@@ -131,6 +134,27 @@ def subprocess_job(job: dict, timeout_s: float) -> dict:
         )
         with open(result_path) as f:
             return json.load(f)
+
+
+def in_process(args, context: list[int], job: str, **extra) -> dict:
+    """One `bench.inproc` job on the pair (1 thread, the workers' linear kernels, γ up to 8),
+    with the share of the CPU other processes took meanwhile."""
+    watch = CpuWatch()
+    result = subprocess_job(
+        {
+            "job": job,
+            "threads": 1,
+            "target_model": args.target_model,
+            "draft_model": args.draft_model,
+            "context": context,
+            "max_gamma": 8,
+            "linear_kernel": args.linear_kernel,
+            **extra,
+        },
+        timeout_s=args.timeout_s,
+    )
+    result["other_cpu"] = watch.others()
+    return result
 
 
 def progress_line(i: int, total: int, row: dict, seconds: float) -> str:
@@ -307,27 +331,27 @@ def bench_pair(args, argv) -> None:
 
     log("measuring per-token costs in-process (1 thread): target step, draft step, verify(γ+1)")
     context = [t for p in prompts for t in p][: 64 + args.max_new_tokens // 2]
-    watch = CpuWatch()
-    costs = subprocess_job(
-        {
-            "job": "costs",
-            "threads": 1,
-            "target_model": args.target_model,
-            "draft_model": args.draft_model,
-            "context": context,
-            "max_gamma": 8,
-            "linear_kernel": args.linear_kernel,
-            "reps": 30 if args.quick else 100,
-            "warmup": 5,
-        },
-        timeout_s=args.timeout_s,
-    )
-    costs["other_cpu"] = watch.others()
+    costs = in_process(args, context, "costs", reps=30 if args.quick else 100, warmup=5)
     v_text = ", ".join(f"v({g})={x:.2f}" for g, x in costs["v"].items())
     log(
         f"  target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
         f"c={costs['c']:.3f}; {v_text} (other processes {other_cpu(costs)})"
     )
+    # the sessions in flight at each concurrency: no more than there are prompts
+    in_flight = {str(c): min(c, len(prompts)) for c in args.concurrency}
+    batches = sorted({n for n in in_flight.values() if n > 1})
+    if batches:
+        log(f"measuring per-pass costs at batch {batches} in-process (1 thread), as workers run")
+        costs["batch"] = in_process(
+            args, context, "batch_costs", batches=batches, reps=5 if args.quick else 15, warmup=2
+        )
+        costs["batch"]["in_flight"] = in_flight
+        for n, b in costs["batch"]["batches"].items():
+            passes = ", ".join(f"{k}: {ms:.1f}" for k, ms in b["pass_ms"].items())
+            log(
+                f"  batch {n}: target pass ms by new tokens a session {{{passes}}}, draft step "
+                f"{b['draft_step_ms']:.2f} ms (other processes {other_cpu(costs['batch'])})"
+            )
 
     log(f"HF peers in a subprocess ({args.threads} threads), one request at a time")
     watch = CpuWatch()

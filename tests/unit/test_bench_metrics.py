@@ -77,3 +77,62 @@ def test_render_needs_a_full_result():
     """The report renderer refuses a result without its rows (no silent empty report)."""
     with pytest.raises((KeyError, TypeError)):
         render({})
+
+
+def batch_row(contender, alpha, mean_gamma=None, tokens_per_s=300.0):
+    acceptance = {"alpha": alpha, "mean_gamma": mean_gamma}
+    return {
+        "contender": contender,
+        "mode": "greedy",
+        "concurrency": 16,
+        "acceptance": acceptance,
+        "tokens_per_s": tokens_per_s,
+    }
+
+
+def test_batch_bound_is_tokens_of_a_lock_step_round_over_its_passes():
+    """Hand-computed: 16 sessions, pass ms by new tokens a session, draft step 1 ms."""
+    from bench.report import batch_bound_for
+
+    batch = {"pass_ms": {"1": 32.0, "2": 40.0, "3": 48.0, "4": 56.0}, "draft_step_ms": 1.0}
+    off = batch_bound_for(batch_row("specdec_off", 0.0), batch, 16)
+    assert off["bound_tokens_per_s"] == pytest.approx(16 / 0.032)
+    assert off["bound_over_off_bound"] == pytest.approx(1.0)
+    assert batch_bound_for(batch_row("specdec_off", 0.0), batch, 4)["bound_tokens_per_s"] == (
+        pytest.approx(4 / 0.032)
+    )
+    g2 = batch_bound_for(batch_row("specdec_g2", 0.7), batch, 16)
+    tokens = 1 + 0.7 + 0.49  # E(0.7, 2)
+    assert g2["expected_tokens_per_round"] == pytest.approx(tokens)
+    assert g2["bound_tokens_per_s"] == pytest.approx(16 * tokens / 0.050)  # 48 + 2·1 ms
+    assert g2["bound_over_off_bound"] == pytest.approx(tokens * 32 / 50)
+    assert g2["measured_over_bound"] == pytest.approx(300.0 / (16 * tokens / 0.050))
+    # adaptive: its mean γ, the pass interpolated between whole γ (1.5 → 44 ms)
+    adaptive = batch_bound_for(batch_row("specdec_adaptive", 0.5, mean_gamma=1.5), batch, 16)
+    assert adaptive["pass_ms"] == pytest.approx(44.0)
+    assert adaptive["draft_ms"] == pytest.approx(1.5)
+    # a pass that grows with every position more than E does: speculation cannot pay
+    flat = {"pass_ms": {"1": 30.0, "2": 60.0, "3": 90.0}, "draft_step_ms": 0.0}
+    assert batch_bound_for(batch_row("specdec_g2", 0.7), flat, 16)["bound_over_off_bound"] < 1.0
+
+
+def test_batch_costs_job_times_passes_as_the_workers_run_them(model_dirs):
+    """The in-process job on tiny models: a pass time per new-token count (1 .. γ+1) and a
+    draft step, per batch size asked for."""
+    from bench.inproc import measure_batch_costs
+
+    job = {
+        "target_model": model_dirs["target"],
+        "draft_model": model_dirs["draft"],
+        "linear_kernel": "auto",
+        "context": list(range(5, 40)),
+        "batches": [2, 4],
+        "max_gamma": 2,
+        "reps": 2,
+        "warmup": 1,
+    }
+    out = measure_batch_costs(job)
+    assert sorted(out["batches"]) == ["2", "4"]
+    for costs in out["batches"].values():
+        assert sorted(costs["pass_ms"]) == ["1", "2", "3"]
+        assert all(ms > 0 for ms in costs["pass_ms"].values()) and costs["draft_step_ms"] > 0
