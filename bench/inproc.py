@@ -7,8 +7,9 @@ Jobs (JOB["job"]):
   the performance model): one target step, one draft step, and one target forward of γ+1
   tokens (verify) for γ = 1..max_gamma. Gives c = draft/target and v(γ) = verify/target.
 - "batch_costs": the same per-pass costs at batch N (the concurrency of the run's rows), as
-  the stack's workers run them (`ModelRuntime`: their linear kernels and batched attention, 1
-  intra-op thread): one target pass of N sessions with k new tokens each (k = 1 .. γ+1) and
+  the stack's workers run them (`ModelRuntime`: their linear kernels and batched attention,
+  and the SPECDEC_DEVICE / SPECDEC_DTYPE / SPECDEC_BATCH_ATTENTION they read, 1 intra-op
+  thread): one target pass of N sessions with k new tokens each (k = 1 .. γ+1) and
   one draft step of N sessions. Gives the bound at concurrency N (`bench.report`).
 - "hf": the in-process peers a user would pick instead of specdec — Hugging Face `generate`
   with the target alone, and assisted generation (`assistant_model=draft`, HF's default
@@ -104,7 +105,16 @@ def measure_batch_costs(job: dict) -> dict:
     from specdec.engine.model import ModelRuntime, RuntimeSettings
 
     def runtime(model_dir: str) -> ModelRuntime:
-        settings = RuntimeSettings(model_dir, threads=1, linear_kernel=job["linear_kernel"])
+        # the device, dtype and attention the stack's workers get from the same environment
+        # (SPECDEC_<FLAG>: bench.gpu_check puts the workers on CUDA that way)
+        settings = RuntimeSettings(
+            model_dir,
+            device=os.environ.get("SPECDEC_DEVICE", "auto"),
+            dtype=os.environ.get("SPECDEC_DTYPE", "auto"),
+            threads=1,
+            linear_kernel=job["linear_kernel"],
+            batch_attention=os.environ.get("SPECDEC_BATCH_ATTENTION", "auto"),
+        )
         return ModelRuntime(settings)
 
     target, draft = runtime(job["target_model"]), runtime(job["draft_model"])
