@@ -27,10 +27,10 @@ import time
 
 import torch
 
+from bench.inproc import ragged_sessions, timed_pass
 from bench.pipeline import MODES, gamma_list, held_out, pair_arguments
 from bench.report import save
 from bench.serving import run_load_sync
-from specdec.engine.kv import KVSession
 from specdec.engine.model import ModelRuntime, RuntimeSettings
 from specdec.launcher.stack import Stack, StackSettings
 from specdec.serving.redis_embedded import free_port
@@ -54,24 +54,17 @@ def per_pass(model_dir: str, batch: int, context: int, new: int = 5) -> dict[str
 def _passes(model_dir: str, attention: str, batch: int, context: int, new: int) -> dict:
     runtime = ModelRuntime(RuntimeSettings(model_dir, threads=1, batch_attention=attention))
     gen = torch.Generator().manual_seed(0)
-    sessions = []
-    for i in range(batch):
-        session = KVSession(str(i))
-        length = context + 13 * i - 6 * batch  # ragged, around `context`
-        session.sync(torch.randint(1, runtime.vocab_size, (length,), generator=gen).tolist())
-        runtime.forward([session], [session.pending()], keep=1)
-        sessions.append(session)
-    block = torch.randint(1, runtime.vocab_size, (new,), generator=gen).tolist()
-
-    def verify(group: list[KVSession]) -> None:
-        runtime.forward(group, [block] * len(group), keep=new)
-        for session in group:
-            session.crop(session.kv_len - new)  # every candidate rejected: same length again
-
+    draw = lambda n: torch.randint(1, runtime.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    # ragged, around `context`; each pass rejects every candidate: same lengths again
+    sessions = ragged_sessions(runtime, [draw(context + 13 * i - 6 * batch) for i in range(batch)])
+    block = draw(new)
     halves = sessions[: batch // 2], sessions[batch // 2 :]
     cases = {
-        "the same batch": lambda: verify(sessions),
-        "two halves in turn": lambda: (verify(halves[0]), verify(halves[1])),
+        "the same batch": lambda: timed_pass(runtime, sessions, block),
+        "two halves in turn": lambda: (
+            timed_pass(runtime, halves[0], block),
+            timed_pass(runtime, halves[1], block),
+        ),
     }
     times = {}
     for case, run in cases.items():

@@ -95,13 +95,38 @@ def measure_costs(job: dict) -> dict:
     }
 
 
+def ragged_sessions(runtime, histories: list[list[int]], name: str = "s") -> list:
+    """One `KVSession` per history, each prefilled alone on `runtime` (a `ModelRuntime`)."""
+    from specdec.engine.kv import KVSession
+
+    sessions = []
+    for i, history in enumerate(histories):
+        session = KVSession(f"{name}-{i}")
+        session.sync(history)
+        runtime.forward([session], [session.pending()], keep=1)
+        sessions.append(session)
+    return sessions
+
+
+def timed_pass(runtime, sessions: list, block: list[int]) -> float:
+    """Seconds of one batched forward of `block` after every session's KV (as a verify of
+    len(block) positions), then each session cropped back to its length before it."""
+    start = time.perf_counter()
+    runtime.forward(sessions, [block] * len(sessions), keep=len(block))
+    if runtime.device.type == "cuda":
+        torch.cuda.synchronize(runtime.device)
+    elapsed = time.perf_counter() - start
+    for session in sessions:
+        session.crop(session.kv_len - len(block))
+    return elapsed
+
+
 @torch.inference_mode()
 def measure_batch_costs(job: dict) -> dict:
     """Median ms of a target pass of N sessions with k new tokens each, k = 1..max_gamma+1, and
     of a draft step of N sessions, for each N in job["batches"]. The sessions hold ragged
     contexts around len(job["context"]) (as a batch of requests at different points does),
     and every pass is rolled back after it, so each repetition sees the same lengths."""
-    from specdec.engine.kv import KVSession
     from specdec.engine.model import ModelRuntime, RuntimeSettings
 
     def runtime(model_dir: str) -> ModelRuntime:
@@ -121,29 +146,22 @@ def measure_batch_costs(job: dict) -> dict:
     context, max_gamma, reps = job["context"], job["max_gamma"], job["reps"]
     out = {}
     for n in job["batches"]:
-        sessions = {}
-        for name, model in (("target", target), ("draft", draft)):
-            group = []
-            for i in range(n):  # ragged: lengths spread ±n/2·3 around the context's
-                session = KVSession(f"{name}-{i}")
-                cut = max(1, len(context) - 3 * (n // 2) + 3 * i)
-                session.sync((context * 2)[i : i + cut])
-                model.forward([session], [session.pending()], keep=1)
-                group.append(session)
-            sessions[name] = group
-        cases = [(f"target_{k}", target, sessions["target"], k) for k in range(1, max_gamma + 2)]
-        cases.append(("draft_1", draft, sessions["draft"], 1))
+        # ragged: lengths spread ±n/2·3 around the context's
+        histories = [
+            (context * 2)[i : i + max(1, len(context) - 3 * (n // 2) + 3 * i)] for i in range(n)
+        ]
+        groups = {
+            name: ragged_sessions(m, histories, name)
+            for name, m in (("target", target), ("draft", draft))
+        }
+        cases = [(f"target_{k}", target, groups["target"], k) for k in range(1, max_gamma + 2)]
+        cases.append(("draft_1", draft, groups["draft"], 1))
         times: dict[str, list[float]] = {name: [] for name, *_ in cases}
         for rep in range(reps + job["warmup"]):
             for name, model, group, k in cases:  # interleaved, so drift hits every case alike
-                block = [context[(rep + j) % len(context)] for j in range(k)]
-                start = time.perf_counter()
-                model.forward(group, [block] * len(group), keep=k)
-                if model.device.type == "cuda":
-                    torch.cuda.synchronize(model.device)
-                elapsed = time.perf_counter() - start
-                for session in group:
-                    session.crop(session.kv_len - k)
+                elapsed = timed_pass(
+                    model, group, [context[(rep + j) % len(context)] for j in range(k)]
+                )
                 if rep >= job["warmup"]:
                     times[name].append(elapsed)
         ms = {name: 1000.0 * statistics.median(t) for name, t in times.items()}

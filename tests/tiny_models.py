@@ -99,3 +99,10 @@ def build_model_dirs(root: str) -> dict[str, str]:
         "gpt2": _save(gpt2, tokenizer, os.path.join(root, "gpt2")),
         "other_vocab": _save(other, other_tokenizer, os.path.join(root, "other_vocab")),
     }
+
+
+def fresh_logits(runtime, history: list[int]) -> torch.Tensor:
+    """The logits of `history` in one fresh forward of the runtime's model (no cache): what
+    every batched or cached forward of the same tokens must equal."""
+    with torch.inference_mode():
+        return runtime.model(input_ids=torch.tensor([history])).logits[0].float()

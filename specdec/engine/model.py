@@ -162,14 +162,14 @@ class ModelRuntime:
             **state,
         )
         logits = out.logits.float()  # [B, max_new or keep, vocab]
+        cache = state.get("past_key_values")
+        start_col = reused.width if reused is not None else 0
         for i, session in enumerate(sessions):
             start = session.kv_len
             if written:
                 session.kv_len += lengths[i]
                 session.writes += 1
-            else:
-                cache = state["past_key_values"]
-                start_col = reused.width if reused is not None else 0
+            else:  # the batch pass wrote a cache of its own: copy the new columns out
                 new = slice(start_col, start_col + lengths[i])
                 session.append_kv(
                     [layer.keys[i, :, new] for layer in cache.layers],

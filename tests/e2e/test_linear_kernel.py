@@ -43,8 +43,14 @@ def run_worker(model_dir: str, *flags: str, timeout_s: float = 120.0) -> tuple[i
         proc.wait()
 
 
-def test_auto_packs_a_float32_model_on_the_cpu(model_dirs):
-    code, log = run_worker(model_dirs["target"], "--device", "cpu")
+@pytest.fixture(scope="module")
+def default_worker(model_dirs) -> tuple[int | None, str]:
+    """A float32 CPU worker with the defaults (auto kernels, auto attention), started once."""
+    return run_worker(model_dirs["target"], "--device", "cpu")
+
+
+def test_auto_packs_a_float32_model_on_the_cpu(default_worker):
+    code, log = default_worker
     assert code is None, log
     assert "linear layers on prepacked oneDNN kernels" in log
 
@@ -64,8 +70,8 @@ def test_packed_on_a_model_it_cannot_pack_refuses_to_start(model_dirs):
     assert "Traceback" not in log
 
 
-def test_auto_attends_over_each_sessions_own_kv(model_dirs):
-    code, log = run_worker(model_dirs["target"], "--device", "cpu")
+def test_auto_attends_over_each_sessions_own_kv(model_dirs, default_worker):
+    code, log = default_worker
     assert code is None, log
     assert "batched attention over each session's own KV" in log
     code, log = run_worker(model_dirs["target"], "--device", "cpu", "--dtype", "bfloat16")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tiny_models import build_tokenizer
+from tiny_models import build_tokenizer, fresh_logits
 
 from specdec.engine.kv import KVSession
 from specdec.engine.model import ModelRuntime, RuntimeSettings
@@ -65,6 +65,5 @@ def test_batched_forward_equals_a_fresh_forward(name, tokenizer, tmp_path):
     histories = [list(s.tokens) for s in sessions]
     out = runtime.forward(sessions, blocks)
     for logits, history, block in zip(out, histories, blocks):
-        with torch.inference_mode():
-            fresh = runtime.model(input_ids=torch.tensor([history + block])).logits[0].float()
+        fresh = fresh_logits(runtime, history + block)
         assert torch.allclose(logits, fresh[-len(block) :], atol=ATOL), name

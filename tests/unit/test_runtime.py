@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import fresh_logits
 
 from specdec.core.prefix import common_prefix_len, fingerprint
 from specdec.engine import session_attention
@@ -34,11 +35,6 @@ def runtime(request, model_dirs) -> ModelRuntime:
 def padded_runtime(request, model_dirs) -> ModelRuntime:
     """A runtime that keeps a padded batch copy of the sessions' KV across passes."""
     return load(model_dirs[request.param], "padded")
-
-
-def fresh_logits(runtime: ModelRuntime, history: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return runtime.model(input_ids=torch.tensor([history])).logits[0].float()
 
 
 def test_loads_from_disk_with_tokenizer(runtime):
