@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -48,7 +49,9 @@ class Batcher:
     sessions whose results came back together return one after another as their coordinator
     handles them, and closing early would split them into several small, costly passes.
     Items that arrive while the model is busy form the next batch. `process(items)` runs in
-    the model thread and returns one result per item (an Exception instance fails only it).
+    the model thread and returns one result per item (an Exception instance fails only it) —
+    except a lone session's small item (≤ `inline_tokens` positions: a round, not a prefill),
+    which runs on the event loop's thread without the two thread hand-offs.
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class Batcher:
         max_batch_tokens: int,
         max_wait_ms: float,
         wait_fraction: float = 0.5,
+        inline_tokens: int = 16,
     ):
         self.process = process
+        self.inline_tokens = inline_tokens  # a lone item this small skips the model thread
         self.wait_fraction = wait_fraction
         self.forward_s = 0.0  # EWMA of the forward time of a batch
         self.max_batch_size = max_batch_size
@@ -67,6 +72,8 @@ class Batcher:
         self.max_wait_s = max_wait_ms / 1000.0
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._occupied = 0  # jobs given to the model thread by `occupy`, not yet done
+        self._occupied_lock = threading.Lock()
         self.in_flight = 0
         self._task: asyncio.Task | None = None
         self._carry: _Pending | None = None
@@ -114,6 +121,31 @@ class Batcher:
         finally:
             self.in_flight -= 1
 
+    def occupy(self, fn, *args) -> Future:
+        """Run `fn(*args)` in the model thread outside any batch (the warm-up pass); no batch
+        runs on the loop's thread meanwhile (one thread at a time touches the model)."""
+        with self._occupied_lock:
+            self._occupied += 1
+        future = self.executor.submit(fn, *args)
+        future.add_done_callback(lambda _: self._release_occupied())
+        return future
+
+    def _release_occupied(self) -> None:
+        with self._occupied_lock:
+            self._occupied -= 1
+
+    def _runs_inline(self, batch: list[_Pending]) -> bool:
+        """A lone session's round (one small item, nothing queued, no other session active)
+        runs on the event loop's own thread: nothing else is waiting for the loop, and the
+        hand-off to the model thread and back costs ~0.25 ms of a round (docs/benchmarks.md)."""
+        return (
+            len(batch) == 1
+            and batch[0].tokens <= self.inline_tokens
+            and self.queue.empty()
+            and self._active_sessions() == 1
+            and not self._occupied
+        )
+
     async def _collect(self) -> list[_Pending]:
         first = self._carry or await self.queue.get()
         self._carry = None
@@ -149,9 +181,11 @@ class Batcher:
             start = time.perf_counter_ns()
             started_ns = time.time_ns()
             try:
-                results = await loop.run_in_executor(
-                    self.executor, self.process, [p.item for p in batch]
-                )
+                items = [p.item for p in batch]
+                if self._runs_inline(batch):
+                    results = self.process(items)
+                else:
+                    results = await loop.run_in_executor(self.executor, self.process, items)
             except Exception as exc:  # noqa: BLE001 - fail this batch's calls, keep serving
                 results = [exc] * len(batch)
             self._running = []

@@ -79,8 +79,8 @@ async def warm_up(service) -> None:
         return
     session = KVSession("__warmup__")
     session.sync([0, 0, 0, 0])
-    await asyncio.get_running_loop().run_in_executor(
-        service.batcher.executor, runtime.forward, [session], [session.pending()]
+    await asyncio.wrap_future(
+        service.batcher.occupy(runtime.forward, [session], [session.pending()])
     )
 
 

@@ -291,7 +291,7 @@ def test_full_worker_is_resource_exhausted_only_while_every_session_is_busy(
     worker = start_worker(role, model_dirs[role], max_sessions=1)
     reference = draft if role == "draft" else target
     prompt_a, prompt_b = [5, 6, 7, 8, 9], [9, 8, 7, 6]
-    worker.service.batcher.executor.submit(time.sleep, 1.0)  # keep the model thread busy
+    worker.service.batcher.occupy(time.sleep, 1.0)  # keep the model (thread) busy
 
     answers = {}
     busy = threading.Thread(target=lambda: answers.update(a=answer(role, worker, "a", prompt_a)))

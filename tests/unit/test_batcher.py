@@ -266,3 +266,34 @@ def test_the_token_budget_counts_padded_positions():
     runs = run(scenario, process, max_batch_tokens=12)
     assert process.batches == [[0, 1, 2], [3]]
     assert [r.positions for r in runs] == [3, 3, 3, 8]
+
+
+def test_a_lone_sessions_round_runs_on_the_loop_thread_and_anything_else_in_the_model_thread():
+    """One session's small item skips the model thread (two hand-offs saved); a prefill-sized
+    item, or an item while another session is active, still runs there."""
+    import threading
+
+    threads: list[str] = []
+
+    def process(items):
+        threads.append(threading.current_thread().name)
+        return [x.value for x in items]
+
+    async def scenario(b):
+        loop_thread = threading.current_thread().name
+        await b.submit(item("solo", 1), 5)  # a round of a lone session: inline
+        await b.submit(item("solo", 2), 17)  # more than inline_tokens (a prefill chunk)
+        b.forward_s, b.max_wait_s = 0.0, 0.0  # two sessions: do not wait for each other
+        await asyncio.gather(b.submit(item("solo", 3), 1), b.submit(item("other", 4), 1))
+        await b.submit(item("solo", 5), 1)  # "other" was active within the last second
+        b.forget("other")
+        busy = b.occupy(time.sleep, 0.2)  # the model thread runs something else (a warm-up)
+        await b.submit(item("solo", 6), 1)  # waits for it in the model thread, never beside it
+        assert busy.done()
+        await b.submit(item("solo", 7), 1)  # alone again, model thread idle
+        return loop_thread
+
+    loop_thread = run(scenario, process, inline_tokens=16)
+    model = [t for t in threads if t != loop_thread]
+    assert threads[0] == loop_thread and threads[-1] == loop_thread
+    assert len(model) == len(threads) - 2 == 4 and all(t.startswith("model") for t in model)
