@@ -86,12 +86,25 @@ class WorkerPool:
         )
 
     def _lanes(self, stub, info: common_pb2.WorkerInfo) -> dict[str, CallLane]:
-        """A call stream per method where the worker says it serves one (`call_streams`)."""
+        """A call stream per method where the worker says it serves one (`call_streams`),
+        batched where it serves that (`call_batches`)."""
         if not (self.streams and info.call_streams):
             return {}
         if self.role == "draft":
-            return {"Propose": CallLane(stub.ProposeStream, stub.Propose, draft_pb2.ProposeCall)}
-        return {"Verify": CallLane(stub.VerifyStream, stub.Verify, target_pb2.VerifyCall)}
+            if info.call_batches:
+                lane = CallLane(
+                    stub.ProposeBatches, stub.Propose, draft_pb2.ProposeCall, draft_pb2.ProposeCalls
+                )
+            else:
+                lane = CallLane(stub.ProposeStream, stub.Propose, draft_pb2.ProposeCall)
+            return {"Propose": lane}
+        if info.call_batches:
+            lane = CallLane(
+                stub.VerifyBatches, stub.Verify, target_pb2.VerifyCall, target_pb2.VerifyCalls
+            )
+        else:
+            lane = CallLane(stub.VerifyStream, stub.Verify, target_pb2.VerifyCall)
+        return {"Verify": lane}
 
     async def _connect(self, address: str) -> None:
         try:
@@ -180,7 +193,9 @@ class WorkerPool:
             elif self._refuses(worker.address, info):  # another model came up there
                 await self.workers.pop(worker.address).channel.close()
             else:
-                if info.call_streams != worker.info.call_streams:  # upgraded or rolled back
+                streams = (info.call_streams, info.call_batches)
+                if streams != (worker.info.call_streams, worker.info.call_batches):
+                    # upgraded or rolled back: the lanes it serves now
                     worker.lanes = self._lanes(worker.stub, info)
                 worker.info, worker.probe = info, False
                 log.info("%s worker %s answers again", self.role, worker.address)

@@ -89,3 +89,14 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
         """Calls of Propose on one stream (specdec/serving/callstream.py); it ends when the
         worker drains."""
         await serve_calls(requests, context, self.Propose, draft_pb2.ProposeReply, self.closing)
+
+    async def ProposeBatches(self, requests, context):
+        """ProposeStream with several calls in a message each way."""
+        await serve_calls(
+            requests,
+            context,
+            self.Propose,
+            draft_pb2.ProposeReply,
+            self.closing,
+            draft_pb2.ProposeReplies,
+        )

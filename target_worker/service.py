@@ -107,6 +107,17 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
         worker drains."""
         await serve_calls(requests, context, self.Verify, target_pb2.VerifyReply, self.closing)
 
+    async def VerifyBatches(self, requests, context):
+        """VerifyStream with several calls in a message each way."""
+        await serve_calls(
+            requests,
+            context,
+            self.Verify,
+            target_pb2.VerifyReply,
+            self.closing,
+            target_pb2.VerifyReplies,
+        )
+
     @rpc
     async def Prefill(self, request, context):
         start = time.perf_counter_ns()

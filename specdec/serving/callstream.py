@@ -1,4 +1,5 @@
-"""Calls multiplexed on one long-lived gRPC stream per worker (ProposeStream, VerifyStream).
+"""Calls multiplexed on one long-lived gRPC stream per worker (ProposeStream, VerifyStream;
+several calls a message on ProposeBatches, VerifyBatches).
 
 At one request a round makes two worker calls, and on a host where the forward pass leaves
 gRPC idle, a unary call costs about twice a message on an open stream (a new HTTP/2 stream,
@@ -15,6 +16,13 @@ in flight on it with the stream's status (a dead worker: UNAVAILABLE) — the ne
 a new stream. A worker that drains answers the calls it has, then ends its streams OK; calls
 it did not take end UNAVAILABLE and fail over. A worker without the stream method (an older
 version during a rolling upgrade) answers UNIMPLEMENTED, and the lane then makes unary calls.
+
+On the batched stream (a worker whose WorkerInfo sets call_batches) each message carries a
+list of calls or replies: the calls queued while the lane's previous message was being
+written leave together (up to BATCH_BYTES), and the replies a worker finishes in one turn of
+its event loop (one batched pass) leave together. Under load the sessions of a verify pass
+have their next calls ready at once, and one message instead of one per session saves each
+hop a message's fixed cost per session (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ log = logging.getLogger(__name__)
 STREAM_MAX_AGE_S = 300.0
 
 CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+# A batched stream's message stops taking more calls past this size (a call's full-prefix
+# resync can be large; gRPC's message limit is 64 MB); one larger call still goes alone.
+BATCH_BYTES = 4 << 20
 
 
 def call_error(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
@@ -72,14 +84,34 @@ class CallContext:
         raise CallAborted(code, details)
 
 
-async def serve_calls(requests, context, handler, reply_cls, closing: asyncio.Event) -> None:
+async def serve_calls(
+    requests, context, handler, reply_cls, closing: asyncio.Event, replies_cls=None
+) -> None:
     """Answer every call of a stream: each runs `handler(request, CallContext)` (the unary
     method, `rpc`-wrapped) as its own task, so calls of different sessions batch together,
     and its reply (`reply_cls`: call_id, response, status) is written when it is done. Ends
     when the caller closes its side or `closing` is set (the worker drains), after the calls
-    taken are answered; a cancelled stream (the caller went away) cancels them."""
+    taken are answered; a cancelled stream (the caller went away) cancels them.
+
+    With `replies_cls` (ProposeReplies: the batched stream) every message carries a list of
+    calls, and the replies finished in the same turn of the event loop (the sessions of one
+    batched pass) leave in one message."""
     writing = asyncio.Lock()
     calls: dict[int, asyncio.Task] = {}  # call id → the task answering it
+    unsent: list = []  # batched stream: replies not yet written
+
+    async def send(reply) -> None:
+        if replies_cls is None:
+            async with writing:
+                await context.write(reply)
+            return
+        unsent.append(reply)
+        await asyncio.sleep(0)  # the other replies finished in this turn join this one
+        async with writing:
+            if unsent:  # else another call's message carried it
+                message = replies_cls(replies=unsent)
+                unsent.clear()
+                await context.write(message)
 
     async def answer(call) -> None:
         reply = reply_cls(call_id=call.call_id)
@@ -92,24 +124,27 @@ async def serve_calls(requests, context, handler, reply_cls, closing: asyncio.Ev
         except asyncio.TimeoutError:
             code = grpc.StatusCode.DEADLINE_EXCEEDED
             reply.status.code, reply.status.message = code.value[0], "deadline exceeded"
-        async with writing:
-            await context.write(reply)
+        await send(reply)
+
+    def start(call) -> None:
+        if call.cancel:  # the caller gave up on it
+            task = calls.get(call.call_id)
+            if task is not None:
+                task.cancel()
+            return
+        task = asyncio.ensure_future(answer(call))
+        calls[call.call_id] = task
+        task.add_done_callback(lambda _, i=call.call_id: calls.pop(i, None))
 
     async def take() -> None:
-        async for call in requests:
-            if isinstance(call, Malformed):
+        async for message in requests:
+            if isinstance(message, Malformed):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"request: not a valid {call.message_name} (malformed protobuf)",
+                    f"request: not a valid {message.message_name} (malformed protobuf)",
                 )
-            if call.cancel:  # the caller gave up on it
-                task = calls.get(call.call_id)
-                if task is not None:
-                    task.cancel()
-                continue
-            task = asyncio.ensure_future(answer(call))
-            calls[call.call_id] = task
-            task.add_done_callback(lambda _, i=call.call_id: calls.pop(i, None))
+            for call in message.calls if replies_cls is not None else (message,):
+                start(call)
 
     reader = asyncio.ensure_future(take())
     drained = asyncio.ensure_future(closing.wait())
@@ -148,10 +183,13 @@ class CallLane:
     """Calls of one method to one worker on one long-lived stream (opened at the first call
     and again after it ended); unary calls once the worker answered UNIMPLEMENTED."""
 
-    def __init__(self, open_stream, unary, call_cls):
+    def __init__(self, open_stream, unary, call_cls, calls_cls=None):
         """open_stream: the stub's stream method (ProposeStream); unary: its unary one
-        (Propose); call_cls: the stream's call message (ProposeCall)."""
+        (Propose); call_cls: the stream's call message (ProposeCall). With `calls_cls`
+        (ProposeCalls), open_stream is the batched stream (ProposeBatches): the calls queued
+        while the previous message was being written leave together in the next."""
         self.open_stream, self.unary, self.call_cls = open_stream, unary, call_cls
+        self.calls_cls = calls_cls
         self.streaming = True
         self.ids = itertools.count(1)
         self.stream: _Stream | None = None
@@ -196,8 +234,20 @@ class CallLane:
         outbox: asyncio.Queue = asyncio.Queue()
 
         async def calls():
-            while (call := await outbox.get()) is not None:
-                yield call
+            ended = False
+            while not ended and (call := await outbox.get()) is not None:
+                if self.calls_cls is None:
+                    yield call
+                    continue
+                batch, size = [call], call.ByteSize()
+                while size < BATCH_BYTES and not outbox.empty():
+                    call = outbox.get_nowait()
+                    if call is None:  # the end: after this message
+                        ended = True
+                        break
+                    batch.append(call)
+                    size += call.ByteSize()
+                yield self.calls_cls(calls=batch)
 
         stream = _Stream(self.open_stream(calls()), outbox)
         stream.reader = asyncio.ensure_future(self._read(stream))
@@ -210,15 +260,16 @@ class CallLane:
             grpc.StatusCode.UNAVAILABLE, "the worker ended the call stream (draining)"
         )
         try:
-            async for reply in stream.call:
-                answer = stream.pending.pop(reply.call_id, None)
-                if answer is None or answer.done():
-                    continue  # its caller gave up (deadline, cancellation)
-                if reply.status.code:
-                    code = CODES.get(reply.status.code, grpc.StatusCode.UNKNOWN)
-                    answer.set_exception(call_error(code, reply.status.message))
-                else:
-                    answer.set_result(reply.response)
+            async for message in stream.call:
+                for reply in message.replies if self.calls_cls is not None else (message,):
+                    answer = stream.pending.pop(reply.call_id, None)
+                    if answer is None or answer.done():
+                        continue  # its caller gave up (deadline, cancellation)
+                    if reply.status.code:
+                        code = CODES.get(reply.status.code, grpc.StatusCode.UNKNOWN)
+                        answer.set_exception(call_error(code, reply.status.message))
+                    else:
+                        answer.set_result(reply.response)
         except grpc.aio.AioRpcError as exc:
             ended = _Unsupported() if exc.code() == grpc.StatusCode.UNIMPLEMENTED else exc
         except asyncio.CancelledError:

@@ -48,6 +48,7 @@ class WorkerService:
             address=self.address,
             eos_token_ids=m.eos_token_ids,
             call_streams=True,  # both tiers serve their call stream (serve_calls)
+            call_batches=True,  # and its batched form
         )
 
     def admit_call(self) -> None:

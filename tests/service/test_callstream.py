@@ -25,23 +25,64 @@ SAMPLING = common_pb2.SamplingParams(temperature=0.8, top_p=0.95)
 TIMEOUT_S = 60.0
 
 
-def lanes(address: str):
+@pytest.fixture(params=[False, True], ids=["stream", "batched"])
+def batched(request) -> bool:
+    """Every test runs on both call streams: one call a message (ProposeStream) and several
+    calls a message (ProposeBatches)."""
+    return request.param
+
+
+def lanes(address: str, batched: bool):
     channel = grpc.aio.insecure_channel(address)
     target = target_pb2_grpc.TargetWorkerStub(channel)
     draft = draft_pb2_grpc.DraftWorkerStub(channel)
-    return (
-        channel,
-        CallLane(target.VerifyStream, target.Verify, target_pb2.VerifyCall),
-        CallLane(draft.ProposeStream, draft.Propose, draft_pb2.ProposeCall),
-        target,
-        draft,
-    )
+    if batched:
+        verify = CallLane(
+            target.VerifyBatches, target.Verify, target_pb2.VerifyCall, target_pb2.VerifyCalls
+        )
+        propose = CallLane(
+            draft.ProposeBatches, draft.Propose, draft_pb2.ProposeCall, draft_pb2.ProposeCalls
+        )
+    else:
+        verify = CallLane(target.VerifyStream, target.Verify, target_pb2.VerifyCall)
+        propose = CallLane(draft.ProposeStream, draft.Propose, draft_pb2.ProposeCall)
+    return channel, verify, propose, target, draft
 
 
-def test_stream_answers_as_unary_calls_and_batches_them(loop_thread, draft, target):
+class Counted:
+    """A batched stream method that records how many calls each message carried, each way."""
+
+    def __init__(self, open_stream):
+        self.open_stream = open_stream
+        self.sent: list[int] = []
+        self.received: list[int] = []
+
+    def __call__(self, requests):
+        async def counted():
+            async for message in requests:
+                self.sent.append(len(message.calls))
+                yield message
+
+        return _CountedCall(self.open_stream(counted()), self.received)
+
+
+class _CountedCall:
+    def __init__(self, call, received: list[int]):
+        self.call, self.received = call, received
+
+    async def __aiter__(self):
+        async for message in self.call:
+            self.received.append(len(message.replies))
+            yield message
+
+    def cancel(self):
+        return self.call.cancel()
+
+
+def test_stream_answers_as_unary_calls_and_batches_them(loop_thread, draft, target, batched):
     async def run():
-        tch, verify, _, unary_target, _ = lanes(target.address)
-        dch, _, propose, _, unary_draft = lanes(draft.address)
+        tch, verify, _, unary_target, _ = lanes(target.address, batched)
+        dch, _, propose, _, unary_draft = lanes(draft.address, batched)
         try:
             # one sampled proposal over the stream and one unary, same history and seed
             streamed = await propose(
@@ -73,9 +114,43 @@ def test_stream_answers_as_unary_calls_and_batches_them(loop_thread, draft, targ
     loop_thread.run(run())
 
 
-def test_a_call_ends_with_its_own_status_and_the_stream_goes_on(loop_thread, target):
+def test_calls_ready_together_share_a_message_each_way(loop_thread, target, monkeypatch):
+    """On the batched stream, six sessions' Verify calls made together leave in fewer than
+    six messages, and their replies, finished by one batched pass, come back in fewer than
+    six; every call gets its own answer. With a message size limit below one call's size
+    (the control), each call leaves alone."""
+
+    async def run(tag: str) -> Counted:
+        channel = grpc.aio.insecure_channel(target.address)
+        stub = target_pb2_grpc.TargetWorkerStub(channel)
+        counted = Counted(stub.VerifyBatches)
+        verify = CallLane(counted, stub.Verify, target_pb2.VerifyCall, target_pb2.VerifyCalls)
+        try:
+            answers = await asyncio.gather(
+                *(
+                    verify(verify_request(f"m-{tag}{i}", p, [11, 12]), TIMEOUT_S)
+                    for i, p in enumerate(PROMPTS)
+                )
+            )
+            assert all(len(a.output_ids) == a.num_accepted + 1 for a in answers)
+            assert max(a.batch_size for a in answers) > 1
+            assert sum(counted.sent) == sum(counted.received) == len(PROMPTS)
+            assert verify.streaming
+            return counted
+        finally:
+            await verify.close()
+            await channel.close()
+
+    together = loop_thread.run(run("a"))
+    assert len(together.sent) < len(PROMPTS) and len(together.received) < len(PROMPTS)
+    monkeypatch.setattr(callstream, "BATCH_BYTES", 1)
+    alone = loop_thread.run(run("b"))
+    assert alone.sent == [1] * len(PROMPTS)
+
+
+def test_a_call_ends_with_its_own_status_and_the_stream_goes_on(loop_thread, target, batched):
     async def run():
-        channel, verify, *_ = lanes(target.address)
+        channel, verify, *_ = lanes(target.address, batched)
         try:
             good = verify_request("st-1", PROMPTS[1], [11, 12])
             await verify(good, TIMEOUT_S)
@@ -100,7 +175,8 @@ def test_a_call_ends_with_its_own_status_and_the_stream_goes_on(loop_thread, tar
 
 
 class UnaryOnly:
-    """A target worker stand-in without VerifyStream (as an older worker): forwards Verify."""
+    """A target worker stand-in without VerifyStream or VerifyBatches (as an older worker):
+    forwards Verify."""
 
     def __init__(self, upstream: str):
         self.channel = grpc.aio.insecure_channel(upstream)
@@ -112,14 +188,14 @@ class UnaryOnly:
         return await self.stub.Verify(request)
 
 
-def test_a_worker_without_the_stream_method_gets_unary_calls(loop_thread, target):
+def test_a_worker_without_the_stream_method_gets_unary_calls(loop_thread, target, batched):
     async def run():
         proxy = UnaryOnly(target.address)
         server = Server(["specdec.v1.TargetWorker"])
         server.add(proxy, "specdec.v1.TargetWorker")
         port = server.bind("127.0.0.1", 0)
         await server.start()
-        channel, verify, *_ = lanes(f"127.0.0.1:{port}")
+        channel, verify, *_ = lanes(f"127.0.0.1:{port}", batched)
         try:
             for i in range(2):
                 answer = await verify(verify_request(f"u-{i}", PROMPTS[3], [11, 12]), TIMEOUT_S)
@@ -145,13 +221,13 @@ def slowed(worker, seconds: float):
     return worker
 
 
-def test_drain_answers_the_calls_taken_then_ends_the_stream(loop_thread, model_dirs):
+def test_drain_answers_the_calls_taken_then_ends_the_stream(loop_thread, model_dirs, batched):
     """With `closing` set the stream ends as soon as its call is answered, and the server
     stops far inside its grace period; without it (the negative control) an open stream
     holds the stop for the whole grace period."""
 
     async def stop_with_stream_open(worker, drain: bool) -> tuple[float, object]:
-        channel, verify, *_ = lanes(worker.address)
+        channel, verify, *_ = lanes(worker.address, batched)
         try:
             await verify(verify_request("d-0", PROMPTS[4], [11]), TIMEOUT_S)  # stream open
             call = asyncio.ensure_future(
@@ -180,11 +256,11 @@ def test_drain_answers_the_calls_taken_then_ends_the_stream(loop_thread, model_d
     assert elapsed >= GRACE_S * 0.9, elapsed
 
 
-def test_a_broken_stream_fails_its_calls_for_failover_and_reopens(loop_thread, model_dirs):
+def test_a_broken_stream_fails_its_calls_for_failover_and_reopens(loop_thread, model_dirs, batched):
     worker = slowed(start_tier("target", loop_thread, model_dirs["target"], max_wait_ms=1.0), 2.0)
 
     async def run():
-        channel, verify, *_ = lanes(worker.address)
+        channel, verify, *_ = lanes(worker.address, batched)
         try:
             await verify(verify_request("b-0", PROMPTS[0], [11]), TIMEOUT_S)
             first = verify.stream
@@ -207,13 +283,15 @@ def test_a_broken_stream_fails_its_calls_for_failover_and_reopens(loop_thread, m
     loop_thread.run(run())
 
 
-def test_a_retired_stream_answers_its_calls_before_it_ends(loop_thread, target, monkeypatch):
+def test_a_retired_stream_answers_its_calls_before_it_ends(
+    loop_thread, target, monkeypatch, batched
+):
     """Every call finds its stream too old (age limit 0): it moves to a new stream and
     half-closes the old one while the previous call is still in flight on it."""
     monkeypatch.setattr(callstream, "STREAM_MAX_AGE_S", 0.0)
 
     async def run():
-        channel, verify, *_ = lanes(target.address)
+        channel, verify, *_ = lanes(target.address, batched)
         try:
             streams = []
 
@@ -235,7 +313,7 @@ def test_a_retired_stream_answers_its_calls_before_it_ends(loop_thread, target, 
     loop_thread.run(run())
 
 
-def test_a_cancelled_call_stops_the_workers_work_on_it(loop_thread, model_dirs):
+def test_a_cancelled_call_stops_the_workers_work_on_it(loop_thread, model_dirs, batched):
     """As a unary call's cancellation: the worker's handler is cancelled (it would otherwise
     sleep 2 s and then run a forward pass); the stream serves the next call."""
     worker = start_tier("target", loop_thread, model_dirs["target"], max_wait_ms=1.0)
@@ -255,7 +333,7 @@ def test_a_cancelled_call_stops_the_workers_work_on_it(loop_thread, model_dirs):
     worker.service.Verify = slow_first
 
     async def run():
-        channel, verify, *_ = lanes(worker.address)
+        channel, verify, *_ = lanes(worker.address, batched)
         try:
             call = asyncio.ensure_future(verify(verify_request("c-0", PROMPTS[0], [11]), TIMEOUT_S))
             while not seen:
