@@ -90,21 +90,17 @@ class WorkerPool:
         batched where it serves that (`call_batches`)."""
         if not (self.streams and info.call_streams):
             return {}
-        if self.role == "draft":
-            if info.call_batches:
-                lane = CallLane(
-                    stub.ProposeBatches, stub.Propose, draft_pb2.ProposeCall, draft_pb2.ProposeCalls
-                )
-            else:
-                lane = CallLane(stub.ProposeStream, stub.Propose, draft_pb2.ProposeCall)
-            return {"Propose": lane}
+        method, messages = (
+            ("Propose", draft_pb2) if self.role == "draft" else ("Verify", target_pb2)
+        )
+        unary, call = getattr(stub, method), getattr(messages, f"{method}Call")
         if info.call_batches:
             lane = CallLane(
-                stub.VerifyBatches, stub.Verify, target_pb2.VerifyCall, target_pb2.VerifyCalls
+                getattr(stub, f"{method}Batches"), unary, call, getattr(messages, f"{method}Calls")
             )
         else:
-            lane = CallLane(stub.VerifyStream, stub.Verify, target_pb2.VerifyCall)
-        return {"Verify": lane}
+            lane = CallLane(getattr(stub, f"{method}Stream"), unary, call)
+        return {method: lane}
 
     async def _connect(self, address: str) -> None:
         try:

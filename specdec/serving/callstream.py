@@ -239,14 +239,16 @@ class CallLane:
                 if self.calls_cls is None:
                     yield call
                     continue
-                batch, size = [call], call.ByteSize()
-                while size < BATCH_BYTES and not outbox.empty():
+                batch, size = [call], 0
+                while not outbox.empty():
+                    size += call.ByteSize()  # sized only when another call could join it
+                    if size >= BATCH_BYTES:
+                        break
                     call = outbox.get_nowait()
                     if call is None:  # the end: after this message
                         ended = True
                         break
                     batch.append(call)
-                    size += call.ByteSize()
                 yield self.calls_cls(calls=batch)
 
         stream = _Stream(self.open_stream(calls()), outbox)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,8 +71,7 @@ class Batcher:
         self.max_wait_s = max_wait_ms / 1000.0
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self._occupied = 0  # jobs given to the model thread by `occupy`, not yet done
-        self._occupied_lock = threading.Lock()
+        self._occupying: Future | None = None  # the latest job given by `occupy`
         self.in_flight = 0
         self._task: asyncio.Task | None = None
         self._carry: _Pending | None = None
@@ -124,15 +122,8 @@ class Batcher:
     def occupy(self, fn, *args) -> Future:
         """Run `fn(*args)` in the model thread outside any batch (the warm-up pass); no batch
         runs on the loop's thread meanwhile (one thread at a time touches the model)."""
-        with self._occupied_lock:
-            self._occupied += 1
-        future = self.executor.submit(fn, *args)
-        future.add_done_callback(lambda _: self._release_occupied())
-        return future
-
-    def _release_occupied(self) -> None:
-        with self._occupied_lock:
-            self._occupied -= 1
+        self._occupying = self.executor.submit(fn, *args)  # one thread: done after the others
+        return self._occupying
 
     def _runs_inline(self, batch: list[_Pending]) -> bool:
         """A lone session's round (one small item, nothing queued, no other session active)
@@ -143,7 +134,7 @@ class Batcher:
             and batch[0].tokens <= self.inline_tokens
             and self.queue.empty()
             and self._active_sessions() == 1
-            and not self._occupied
+            and (self._occupying is None or self._occupying.done())
         )
 
     async def _collect(self) -> list[_Pending]:
