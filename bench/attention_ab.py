@@ -28,11 +28,10 @@ import time
 import torch
 
 from bench.inproc import ragged_sessions, timed_pass
-from bench.pipeline import MODES, gamma_list, held_out, pair_arguments
+from bench.pipeline import MODES, gamma_list, held_out, load_on_stack, pair_arguments
 from bench.report import save
-from bench.serving import run_load_sync
 from specdec.engine.model import ModelRuntime, RuntimeSettings
-from specdec.launcher.stack import Stack, StackSettings
+from specdec.launcher.stack import StackSettings
 from specdec.serving.redis_embedded import free_port
 
 ATTENTION = ("padded", "auto")
@@ -102,25 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                 target_args=flags,
                 draft_args=flags,
             )
-            with Stack(settings) as stack:
-                run_load_sync(stack.address, prompts[:4], MODES["greedy"], 2, 16, 4, 300)  # warm
-                for mode, sampling in MODES.items():
-                    for gamma in gammas:
-                        run = run_load_sync(
-                            stack.address,
-                            prompts,
-                            sampling,
-                            gamma,
-                            args.tokens,
-                            args.concurrency,
-                            900,
-                        )
-                        outputs = [r["token_ids"] for r in run["requests"]]
-                        key = f"{mode}/{label(gamma)}/{attention}"
-                        rates.setdefault(key, []).append(sum(map(len, outputs)) / run["wall_s"])
-                        if mode == "greedy":
-                            greedy.setdefault(f"{label(gamma)}/{attention}", outputs)
-                        print(f"repeat {repeat} {key}: {rates[key][-1]:.1f} tok/s", flush=True)
+            for (mode, gamma), (rate, outputs) in load_on_stack(
+                settings, prompts, MODES, gammas, args.tokens, args.concurrency
+            ).items():
+                key = f"{mode}/{label(gamma)}/{attention}"
+                rates.setdefault(key, []).append(rate)
+                if mode == "greedy":
+                    greedy.setdefault(f"{label(gamma)}/{attention}", outputs)
+                print(f"repeat {repeat} {key}: {rate:.1f} tok/s", flush=True)
     same = all(
         greedy[f"{label(g)}/{a}"] == greedy[f"{label(gammas[0])}/padded"]
         for g in gammas

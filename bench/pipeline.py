@@ -92,6 +92,27 @@ def gamma_list(text: str) -> tuple[int | None, ...]:
     return tuple(None if g == "adaptive" else int(g) for g in text.split(","))
 
 
+def load_on_stack(
+    settings: StackSettings, prompts, modes, gammas, tokens: int, concurrency: int
+) -> dict[tuple[str, int | None], tuple[float, list[list[int]]]]:
+    """One stack of `settings`, warmed up, then per (mode, γ) one closed-loop load of the
+    prompts (`bench.serving.run_load`, EOS ignored): aggregate tokens/s and the outputs. What
+    an A/B bench of whole stacks runs on each of its stacks in turn."""
+    from bench.serving import run_load_sync
+
+    results = {}
+    with Stack(settings) as stack:
+        run_load_sync(stack.address, prompts[:4], MODES["greedy"], 2, 16, 4, 300)  # warm-up
+        for mode in modes:
+            for gamma in gammas:
+                run = run_load_sync(
+                    stack.address, prompts, MODES[mode], gamma, tokens, concurrency, 900
+                )
+                outputs = [r["token_ids"] for r in run["requests"]]
+                results[mode, gamma] = (sum(map(len, outputs)) / run["wall_s"], outputs)
+    return results
+
+
 def held_out(args) -> list[list[int]]:
     """The `--prompts` held-out prompts (64 tokens each) in the target's tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(args.target_model)

@@ -43,6 +43,7 @@ SERVICES = {
     "bench streams": "bench.streams",
     "bench confidence": "bench.confidence",
     "bench policy-ab": "bench.policy_ab",
+    "bench stack-ab": "bench.stack_ab",
     "bench process-ab": "bench.process_ab",
     "bench kernels": "bench.kernels",
     "bench attention-ab": "bench.attention_ab",

@@ -55,10 +55,13 @@ class StackSettings:
     # so restarting it loses no session; off: in memory only.
     persist_redis: bool = False
     redis_dir: str = ""
+    # Run the workers and coordinators from this source tree instead of the installed code
+    # (a benchmark's baseline revision, bench.stack_ab); "" = the installed code.
+    code_dir: str = ""
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], env: dict):
+    def __init__(self, name: str, argv: list[str], env: dict, cwd: str | None = None):
         self.name = name
         self.argv = argv
         self.lines: collections.deque[str] = collections.deque(maxlen=200)
@@ -69,6 +72,7 @@ class Child:
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            cwd=cwd,
             start_new_session=True,
         )
         threading.Thread(target=self._read, daemon=True).start()
@@ -155,7 +159,10 @@ class Stack:
         env.setdefault("OMP_NUM_THREADS", "1")
         # In the environment, not on the command line: the URL may carry Redis's password.
         env["SPECDEC_REDIS_URL"] = self.redis_url
-        child = Child(name, [sys.executable, "-m", module, *args], env)
+        code = self.settings.code_dir
+        if code:
+            env["PYTHONPATH"] = code
+        child = Child(name, [sys.executable, "-m", module, *args], env, cwd=code or None)
         self.children.append(child)
         return child
 
