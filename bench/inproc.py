@@ -139,6 +139,7 @@ def measure_batch_costs(job: dict) -> dict:
             threads=1,
             linear_kernel=job["linear_kernel"],
             batch_attention=os.environ.get("SPECDEC_BATCH_ATTENTION", "auto"),
+            attention_kernel=os.environ.get("SPECDEC_ATTENTION_KERNEL", "auto"),
         )
         return ModelRuntime(settings)
 

@@ -48,6 +48,7 @@ def build(settings: DraftSettings):
                 settings.threads,
                 settings.linear_kernel,
                 settings.batch_attention,
+                settings.attention_kernel,
             )
         )
         proposer = ModelProposer(runtime, settings.wire_top_k)

@@ -44,6 +44,7 @@ def build(settings: TargetSettings):
             settings.threads,
             settings.linear_kernel,
             settings.batch_attention,
+            settings.attention_kernel,
         )
     )
     return TargetService(TargetEngine(runtime), settings, address="")

@@ -191,6 +191,7 @@ def worker_config(role: str) -> dict[str, Schema]:
         "dtype": string(["auto", "float32", "float16", "bfloat16"], nullable=True),
         "linearKernel": string(["auto", "packed", "default"], nullable=True),
         "batchAttention": string(["auto", "sessions", "padded"], nullable=True),
+        "attentionKernel": string(["auto", "compiled", "torch"], nullable=True),
         "maxSessions": integer(1, nullable=True),
         "maxKvMb": integer(1, nullable=True),
         "maxSpeculativeTokens": integer(1, nullable=True),

@@ -45,6 +45,7 @@ class RuntimeSettings:
     threads: int = 1
     linear_kernel: str = "auto"  # auto | packed | default (specdec.engine.kernels)
     batch_attention: str = "auto"  # auto | sessions | padded (specdec.engine.session_attention)
+    attention_kernel: str = "auto"  # auto | compiled | torch (specdec.engine.attention_kernel)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -98,11 +99,17 @@ class ModelRuntime:
         # per layer an empty [kv_heads, 0, head_dim] KV tensor (shape, dtype and device of a
         # session's buffers) when attention reads the sessions' own buffers; None: padded
         self._kv_like: list[torch.Tensor] | None = None
-        session_attention.install(self, settings.batch_attention)
+        self._attention_kernel = None  # the compiled kernel's module, when it attends
+        session_attention.install(self, settings.batch_attention, settings.attention_kernel)
         log.info(
             "model %s: batched attention %s",
             self.model_name,
-            "over each session's own KV" if self.session_attention else "over a padded batch copy",
+            (
+                "over each session's own KV"
+                + (", short blocks by the compiled kernel" if self._attention_kernel else "")
+            )
+            if self.session_attention
+            else "over a padded batch copy",
         )
 
     @property
@@ -151,7 +158,7 @@ class ModelRuntime:
         if self._kv_like is not None:  # attention writes and reads each session's own buffers
             for session, n in zip(sessions, lengths):
                 session.reserve(session.kv_len + n, self._kv_like)
-            rows = session_attention.SessionRows(sessions, lengths)
+            rows = session_attention.SessionRows(sessions, lengths, self._attention_kernel)
             state, written = {"use_cache": False, "specdec_rows": rows}, True
         else:
             state, reused, written = self._padded_state(sessions, cached, lengths)

@@ -28,6 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec.engine import attention_kernel
+from specdec.engine.attention_kernel import MAX_BLOCK
 from specdec.engine.kv import KVSession
 
 log = logging.getLogger(__name__)
@@ -41,16 +43,28 @@ CHECK_RTOL = 1e-4
 
 class SessionRows:
     """One forward's sessions, where each one's new tokens start (its kv_len before the pass)
-    and how many there are (its input is right-padded to the longest)."""
+    and how many there are (its input is right-padded to the longest). With the compiled
+    kernel (`attention_kernel`), the sessions whose block it takes (at most its MAX_BLOCK
+    tokens) are attended in one call per layer, the others (prefill chunks) by torch."""
 
-    def __init__(self, sessions: list[KVSession], lengths: list[int]):
+    def __init__(self, sessions: list[KVSession], lengths: list[int], kernel=None):
         self.sessions = sessions
         self.lengths = lengths
         self.starts = [s.kv_len for s in sessions]
+        self.kernel = kernel
+        short = [kernel is not None and n <= MAX_BLOCK for n in lengths]
+        self.kernel_rows = [i for i, takes in enumerate(short) if takes]
+        self.torch_rows = [i for i, takes in enumerate(short) if not takes]
+        # the kernel's arguments that are the same in every layer
+        self.kernel_sessions = [sessions[i] for i in self.kernel_rows]
+        self.kernel_starts = [self.starts[i] for i in self.kernel_rows]
+        self.kernel_lengths = [lengths[i] for i in self.kernel_rows]
         # query j of a block starting at s sees keys 0..s+j: a lower triangle shifted right
         self.masks = [
-            None if n == 1 else torch.ones(n, s + n, dtype=torch.bool, device=_device(x)).tril(s)
-            for x, s, n in zip(sessions, self.starts, lengths)
+            None
+            if n == 1 or short[i]
+            else torch.ones(n, s + n, dtype=torch.bool, device=_device(x)).tril(s)
+            for i, (x, s, n) in enumerate(zip(sessions, self.starts, lengths))
         ]
 
 
@@ -71,37 +85,79 @@ def session_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **_
         )
     layer = module.layer_idx
+    if rows.kernel is not None:
+        return _compiled(rows, layer, query, key, value, scaling), None
     out = query.new_zeros(query.shape)
-    gqa = query.shape[1] != key.shape[1]
-    for i, session in enumerate(rows.sessions):
-        start, n = rows.starts[i], rows.lengths[i]
-        end = start + n
-        keys, values = session.keys[layer], session.values[layer]
-        keys[:, start:end] = key[i, :, :n]
-        values[:, start:end] = value[i, :, :n]
-        out[i, :, :n] = F.scaled_dot_product_attention(
-            query[i : i + 1, :, :n],
-            keys[None, :, :end],
-            values[None, :, :end],
-            attn_mask=rows.masks[i],
-            scale=scaling,
-            enable_gqa=gqa,
-        )[0]
+    for i in range(len(rows.sessions)):
+        out[i, :, : rows.lengths[i]] = _torch_row(rows, i, layer, query, key, value, scaling)
     return out.transpose(1, 2), None
+
+
+def _torch_row(rows: SessionRows, i: int, layer: int, query, key, value, scaling):
+    """Session i's attention by torch's kernel ([heads, n, dim]), its new KV written first."""
+    session, start, n = rows.sessions[i], rows.starts[i], rows.lengths[i]
+    end = start + n
+    keys, values = session.keys[layer], session.values[layer]
+    keys[:, start:end] = key[i, :, :n]
+    values[:, start:end] = value[i, :, :n]
+    return F.scaled_dot_product_attention(
+        query[i : i + 1, :, :n],
+        keys[None, :, :end],
+        values[None, :, :end],
+        attn_mask=rows.masks[i],
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )[0]
+
+
+def _compiled(rows: SessionRows, layer: int, query, key, value, scaling) -> torch.Tensor:
+    """[B, q, heads, dim]: the kernel's sessions in one call, the rest by torch's kernel."""
+    batch, heads, width, dim = query.shape
+    out = query.new_zeros(batch, width, heads, dim)
+    if rows.kernel_rows:
+        query, key, value = (
+            x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value)
+        )
+        rows.kernel.attend(
+            query,
+            key,
+            value,
+            out,
+            rows.kernel_rows,
+            [s.keys[layer] for s in rows.kernel_sessions],
+            [s.values[layer] for s in rows.kernel_sessions],
+            rows.kernel_starts,
+            rows.kernel_lengths,
+            dim**-0.5 if scaling is None else float(scaling),
+        )
+    for i in rows.torch_rows:
+        out[i, : rows.lengths[i]] = _torch_row(
+            rows, i, layer, query, key, value, scaling
+        ).transpose(0, 1)
+    return out
 
 
 AttentionInterface.register(IMPLEMENTATION, session_attention)
 AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
 
 
-def install(runtime, mode: str) -> None:
+def install(runtime, mode: str, kernel: str = "auto") -> None:
     """Switch `runtime.model` to attention over each session's own KV, as `mode` asks:
     auto (where the model qualifies, on a CPU), sessions (that, or ValueError), padded (never).
     Installed, `runtime._kv_like` holds per layer an empty [kv_heads, 0, head_dim] tensor
-    that new sessions' buffers take their shape, dtype and device from; else it stays None."""
+    that new sessions' buffers take their shape, dtype and device from; else it stays None.
+    `kernel` (`attention_kernel.MODES`) chooses who attends the short blocks: float32 on a
+    CPU, the compiled kernel (auto: where it builds and agrees on the check at load;
+    compiled: that, or ValueError); else torch. `runtime._attention_kernel` holds it."""
     if mode not in MODES:
         raise ValueError(f"batch_attention: expected one of {list(MODES)}, got {mode!r}")
+    if kernel not in attention_kernel.MODES:
+        raise ValueError(
+            f"attention_kernel: expected one of {list(attention_kernel.MODES)}, got {kernel!r}"
+        )
+    runtime._attention_kernel = None
     if mode == "padded":
+        _no_kernel(kernel, "--batch-attention padded")
         return
     reason = _unfit(runtime.model, mode)
     if reason is None:
@@ -111,7 +167,14 @@ def install(runtime, mode: str) -> None:
         before = [(c, c._attn_implementation) for c in configs.values()]
         for config, _ in before:
             config._attn_implementation = IMPLEMENTATION
+        runtime._attention_kernel = _kernel(runtime, kernel)
         reason = _disagrees(runtime, reference)
+        if reason is not None and runtime._attention_kernel is not None:
+            runtime._attention_kernel = None  # the kernel's answer differs: torch's, then?
+            if kernel == "compiled":
+                raise ValueError(f"attention_kernel: compiled does not fit this model: {reason}")
+            log.warning("attention kernel not used: %s", reason)
+            reason = _disagrees(runtime, reference)
         if reason is not None:
             runtime._kv_like = None
             for config, implementation in before:
@@ -121,6 +184,28 @@ def install(runtime, mode: str) -> None:
     if mode == "sessions":
         raise ValueError(f"batch_attention: sessions does not fit this model: {reason}")
     log.info("batched attention over a padded batch copy: %s", reason)
+    _no_kernel(kernel, "the padded batch copy")
+
+
+def _kernel(runtime, kernel: str):
+    """The compiled kernel's module where `kernel` asks for it and it fits, else None."""
+    if kernel == "torch":
+        return None
+    if runtime.device.type != "cpu" or runtime.dtype != torch.float32:
+        _no_kernel(kernel, f"{runtime.dtype} on {runtime.device.type}")
+        return None
+    try:
+        return attention_kernel.load(kernel)
+    except RuntimeError as error:
+        raise ValueError(str(error)) from error
+
+
+def _no_kernel(kernel: str, why: str) -> None:
+    if kernel == "compiled":
+        raise ValueError(
+            f"attention_kernel: compiled needs float32 attention over each session's own KV "
+            f"on a CPU, not {why}"
+        )
 
 
 def _unfit(model, mode: str) -> str | None:

@@ -33,6 +33,14 @@ class WorkerSettings(SecurityFlags):
         "(that, or fail) | padded",
         ["auto", "sessions", "padded"],
     )
+    attention_kernel: str = opt(
+        "auto",
+        "who attends blocks of <= 16 tokens over the sessions' own KV (float32, CPU): auto "
+        "(a compiled C++ kernel, one call a layer for every such session, built once per "
+        "machine, where it builds and agrees on the check at load; else torch, one call a "
+        "session) | compiled (that, or fail) | torch",
+        ["auto", "compiled", "torch"],
+    )
     max_sessions: int = opt(256, "sessions whose KV is cached (LRU beyond)")
     max_kv_mb: int = opt(1024, "KV cache memory budget in MiB (LRU eviction beyond)")
     max_speculative_tokens: int = opt(16, "largest γ accepted")

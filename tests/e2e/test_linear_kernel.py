@@ -1,8 +1,9 @@
-"""`--linear-kernel` and `--batch-attention` on a real worker process: auto packs a float32
-CPU model and says so; `packed` on a model that cannot run packed (bfloat16) refuses to start,
-naming the flag. Auto attends over each session's own KV where the model qualifies (also in
-bfloat16) and says so, keeps the padded batch where it does not and says why; `sessions` on
-such a model refuses to start, naming the flag."""
+"""`--linear-kernel`, `--batch-attention` and `--attention-kernel` on a real worker process:
+auto packs a float32 CPU model and says so; `packed` on a model that cannot run packed
+(bfloat16) refuses to start, naming the flag. Auto attends over each session's own KV where the
+model qualifies (also in bfloat16) and says so, short blocks by the compiled kernel in float32,
+keeps the padded batch where it does not qualify and says why; `sessions` on such a model, and
+`--attention-kernel compiled` in bfloat16, refuse to start, naming the flag."""
 
 from __future__ import annotations
 
@@ -77,6 +78,25 @@ def test_auto_attends_over_each_sessions_own_kv(model_dirs, default_worker):
     code, log = run_worker(model_dirs["target"], "--device", "cpu", "--dtype", "bfloat16")
     assert code is None, log
     assert "batched attention over each session's own KV" in log
+
+
+def test_auto_attends_short_blocks_with_the_compiled_kernel(model_dirs, default_worker):
+    """float32 on a CPU: the compiled kernel (built by `make`); bfloat16: torch's attention;
+    `--attention-kernel compiled` where it cannot attend refuses to start, naming the flag."""
+    code, log = default_worker
+    assert code is None, log
+    assert "short blocks by the compiled kernel" in log
+    code, log = run_worker(model_dirs["target"], "--device", "cpu", "--attention-kernel", "torch")
+    assert code is None, log
+    assert "batched attention over each session's own KV" in log
+    assert "compiled kernel" not in log
+    code, log = run_worker(
+        model_dirs["target"], "--device", "cpu", "--dtype", "bfloat16",
+        "--attention-kernel", "compiled",
+    )  # fmt: skip
+    assert code not in (None, 0), log
+    assert "attention_kernel: compiled needs float32 attention" in log
+    assert "Traceback" not in log
 
 
 def test_padded_keeps_the_batch_copy(model_dirs):

@@ -15,20 +15,31 @@ from specdec.engine.model import ModelRuntime, RuntimeSettings
 ATOL = 1e-4
 
 
-def load(model_dir: str, attention: str = "auto") -> ModelRuntime:
+def load(model_dir: str, attention: str = "auto", kernel: str = "auto") -> ModelRuntime:
     return ModelRuntime(
-        RuntimeSettings(model_dir, device="cpu", threads=1, batch_attention=attention)
+        RuntimeSettings(
+            model_dir, device="cpu", threads=1, batch_attention=attention, attention_kernel=kernel
+        )
     )
 
 
 @pytest.fixture(
     scope="module",
-    params=[("target", "sessions"), ("target", "padded"), ("gpt2", "sessions"), ("gpt2", "padded")],
+    params=[
+        ("target", "sessions", "compiled"),
+        ("target", "sessions", "torch"),
+        ("target", "padded", "auto"),
+        ("gpt2", "sessions", "compiled"),
+        ("gpt2", "sessions", "torch"),
+        ("gpt2", "padded", "auto"),
+    ],
     ids="-".join,
 )
 def runtime(request, model_dirs) -> ModelRuntime:
-    model, attention = request.param
-    return load(model_dirs[model], attention)
+    """Attention over each session's own KV (short blocks by the compiled kernel, or all by
+    torch's), and over a padded batch."""
+    model, attention, kernel = request.param
+    return load(model_dirs[model], attention, kernel)
 
 
 @pytest.fixture(scope="module", params=["target", "gpt2"])
@@ -186,18 +197,19 @@ def test_a_model_with_sliding_windows_keeps_the_padded_batch(model_dirs, monkeyp
 
 
 def test_the_check_at_load_catches_attention_that_is_wrong(model_dirs, monkeypatch):
-    """Negative control of the check at load: per-session attention without its causal mask
-    (each new token would see the tokens after it) is found and not used."""
+    """Negative control of the check at load: torch's per-session attention without its
+    causal mask (each new token would see the tokens after it) is found and not used (the
+    compiled kernel's own control: tests/unit/test_attention_kernel.py)."""
     real = session_attention.SessionRows.__init__
 
-    def unmasked(self, sessions, lengths):
-        real(self, sessions, lengths)
+    def unmasked(self, sessions, lengths, kernel=None):
+        real(self, sessions, lengths, kernel)
         self.masks = [None] * len(sessions)
 
     monkeypatch.setattr(session_attention.SessionRows, "__init__", unmasked)
-    assert not load(model_dirs["target"]).session_attention
+    assert not load(model_dirs["target"], kernel="torch").session_attention
     with pytest.raises(ValueError, match="found other logits"):
-        load(model_dirs["target"], "sessions")
+        load(model_dirs["target"], "sessions", "torch")
 
 
 def test_batch_attention_names_the_field_of_a_bad_value(model_dirs):
