@@ -35,7 +35,7 @@ class WorkerSettings(SecurityFlags):
     )
     attention_kernel: str = opt(
         "auto",
-        "who attends blocks of <= 16 tokens over the sessions' own KV (float32, CPU): auto "
+        "who attends blocks of <= 12 tokens over the sessions' own KV (float32, CPU): auto "
         "(a compiled C++ kernel, one call a layer for every such session, built once per "
         "machine, where it builds and agrees on the check at load; else torch, one call a "
         "session) | compiled (that, or fail) | torch",
