@@ -6,7 +6,9 @@ attention is per session: session i's queries attend to the KV in its own buffer
 values first. Nothing is left-padded, no batch copy of the KV is built when the batch changes
 (sessions finishing, arriving, or two groups taking turns on the target), no holes are
 attended over and masked, and nothing is appended afterwards. What it costs: one attention
-call per session and layer, instead of one per layer over the padded batch.
+call per session and layer, instead of one per layer over the padded batch — except for the
+short blocks of verify and draft passes (float32, CPU), which the compiled kernel of
+`attention_kernel` takes for all sessions in one call a layer (`--attention-kernel`).
 
 The model runs it through Hugging Face's attention interface (`AttentionInterface`, the way
 vLLM and TGI plug their kernels into `transformers` models): it is registered under
