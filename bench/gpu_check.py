@@ -681,23 +681,25 @@ def bench_summary(path: Path) -> int:
         print(f"  greedy {name}: {c['identical']}/{c['requests']} identical to HF (CPU)")
     rates = []
     for row in data.get("rows", []):
+        print(
+            f"  {row['label']:<26} {row['mode']:<8} conc {row['concurrency']:>2}: "
+            f"{row['tokens_per_s']:.1f} tok/s"
+        )
         if row["concurrency"] == 1 and row["mode"] == "greedy":
-            print(f"  {row['label']:<26} greedy conc 1: {row['tokens_per_s']:.1f} tok/s")
             rates.append(f"{row['contender']} {row['tokens_per_s']:.0f}")
     return result(
         True,
-        f"bench.run: greedy outputs {same}/{total} identical to HF (CPU float32); tok/s at "
-        f"concurrency 1: " + ", ".join(rates),
+        f"bench.run: greedy outputs {same}/{total} identical to HF (same device and dtype); "
+        f"tok/s at concurrency 1: " + ", ".join(rates),
     )
 
 
 def cmd_bench(args) -> int:
-    """python -m bench.run --pair P --quick with its workers on --device: bench.run has no
-    device option, but every worker flag reads SPECDEC_<FLAG> from the environment."""
-    env = {"SPECDEC_DEVICE": args.device, "SPECDEC_DTYPE": args.dtype}
-    print(f"workers: SPECDEC_DEVICE={args.device} SPECDEC_DTYPE={args.dtype}", flush=True)
-    argv = ["--pair", args.pair, "--quick", "--threads", "2", "--out", args.out, *args.args]
-    rc = run_module("bench.run", argv, env)
+    """python -m bench.run --pair P --quick --device D --dtype T: the workers, the HF peers
+    and the per-token costs all on the device, in the dtype."""
+    argv = ["--pair", args.pair, "--quick", "--threads", "2", "--out", args.out]
+    argv += ["--device", args.device, "--dtype", args.dtype, *args.args]
+    rc = run_module("bench.run", argv)
     if rc != 0:
         return result(False, f"python -m bench.run exited {rc}")
     return bench_summary(Path(args.out) / args.pair / "results.json")
@@ -752,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     bm.add_argument("--out", default="results/gpu_check/math")
     bm.add_argument("args", nargs=argparse.REMAINDER, help="after --: bench.math's flags")
 
-    br = sub.add_parser("bench", help="python -m bench.run --quick, workers on --device")
+    br = sub.add_parser("bench", help="python -m bench.run --quick, everyone on --device")
     br.add_argument("--device", default="cuda")
     br.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))
     br.add_argument("--pair", default="smollm2", choices=["smollm2", "code"])

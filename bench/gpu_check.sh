@@ -3,7 +3,8 @@
 #
 #   bash bench/gpu_check.sh                          # on a machine with an NVIDIA GPU
 #   GPU_CHECK_DEVICE=cpu bash bench/gpu_check.sh --smoke   # dry run on a CPU (< 60 s, 2 cores)
-#   bash bench/gpu_check.sh --only=greedy,math       # a subset (env always runs)
+#   bash bench/gpu_check.sh --only=greedy,math       # a subset (env always runs):
+#                                                    # greedy, math-cpu, math, bench
 #
 # Steps, each timed, each with its own PASS / FAIL / SKIP line (driver: bench/gpu_check.py):
 #   0 env      which python, torch and CUDA it found; whether the stack's modules import
@@ -11,11 +12,12 @@
 #   1 greedy   the real stack (Redis, draft + target workers on --device, coordinator) against
 #              Hugging Face generate(do_sample=False) on the same device, same dtype, γ 2 and 4,
 #              once per dtype in GPU_CHECK_DTYPES (default "float32 bfloat16")
-#   2 math     a) python -m bench.math --quick on the CPU (it has no --device option: TODO)
+#   2 math     a) python -m bench.math --quick on the CPU (it has no --device option: TODO;
+#                 --only name math-cpu)
 #              b) bench/math.py's hot path (propose_step, verify_logits) on the device, checked
-#                 against the CPU and timed
-#   3 bench    python -m bench.run --pair smollm2 --quick, workers on the device through
-#              SPECDEC_DEVICE / SPECDEC_DTYPE (bench.run has no --device option: TODO)
+#                 against the CPU and timed (--only name math)
+#   3 bench    python -m bench.run --pair smollm2 --quick --device D --dtype T: the workers,
+#              the HF peers and the per-token costs on the device
 # --smoke: the code pair (models/target, models/draft), float32, 2 prompts x 16 tokens; step 2
 # as one tiny run of both parts (vocabulary 512, batches 1 and 4); step 3 skipped.
 # Last line: `gpu_check: N passed, M failed, K skipped (T s)`; exit 0 only if nothing failed
@@ -204,7 +206,7 @@ for dtype in $DTYPES; do
 done
 
 # ---- 2: the math micro-benchmark -------------------------------------------------------
-if wanted math; then
+if wanted math || wanted math-cpu; then
     if [ "$SMOKE" = 1 ]; then
         # one process (torch imports once): bench.math's own cases, then the hot path on
         # the device against the CPU, at a 512-token vocabulary and batches 1 and 4
@@ -214,12 +216,16 @@ if wanted math; then
         # TODO(bench.math --device): bench/math.py builds every tensor on the CPU and has no
         # device option, so this times the CPU (1 thread, --quick); 2b runs its hot path on
         # the device. Once it has `--device`, add: --device "$DEVICE" (and drop 2b's timing).
-        echo "TODO: bench.math has no --device option; 2a runs it on the CPU (--quick)"
-        step 2a-bench-math-cpu 120 "$PY" -m bench.gpu_check bench-math --out "$OUT/math" \
-            -- --quick --threads 1
-        step "2b-math-$DEVICE" 150 "$PY" -m bench.gpu_check math --device "$DEVICE" \
-            --vocabs "${GPU_CHECK_MATH_VOCABS:-8192,49152,128256,262144}" \
-            --batches "${GPU_CHECK_MATH_BATCHES:-1,16,64}" --out "$OUT"
+        if wanted math-cpu; then
+            echo "TODO: bench.math has no --device option; 2a runs it on the CPU (--quick)"
+            step 2a-bench-math-cpu 120 "$PY" -m bench.gpu_check bench-math --out "$OUT/math" \
+                -- --quick --threads 1
+        fi
+        if wanted math; then
+            step "2b-math-$DEVICE" 150 "$PY" -m bench.gpu_check math --device "$DEVICE" \
+                --vocabs "${GPU_CHECK_MATH_VOCABS:-8192,49152,128256,262144}" \
+                --batches "${GPU_CHECK_MATH_BATCHES:-1,16,64}" --out "$OUT"
+        fi
     fi
 fi
 
@@ -234,12 +240,9 @@ if wanted bench; then
         if [ -z "${GPU_CHECK_BENCH_PAIR:-}" ] && [ "$BENCH_PAIR" != smollm2 ]; then
             echo "NOTE: SmolLM2 is not converted here: bench.run runs --pair $BENCH_PAIR"
         fi
-        # TODO(bench.run --device/--dtype): bench.run has no device option; its workers take
-        # SPECDEC_DEVICE / SPECDEC_DTYPE from the environment (every worker flag reads
-        # SPECDEC_<FLAG>), while its HF peers and per-token costs stay on the CPU.
-        echo "TODO: bench.run has no --device option; workers on $DEVICE via SPECDEC_DEVICE, HF peers on the CPU"
-        # python -m bench.run --pair P --quick --threads 2 --out $OUT/bench, its workers on
-        # the device; whatever the budget leaves, less 15 s for the summary.
+        # python -m bench.run --pair P --quick --threads 2 --device D --dtype T --out
+        # $OUT/bench: every contender on the device; whatever the budget leaves, less 15 s
+        # for the summary.
         # GPU_CHECK_BENCH_ARGS adds flags (e.g. "--prompts 2" where the budget is short).
         # shellcheck disable=SC2086
         step 3-bench-run $((BUDGET - (SECONDS - T0) - 15)) "$PY" -m bench.gpu_check bench \

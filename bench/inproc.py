@@ -36,7 +36,7 @@ class ScatteredHead(torch.nn.Module):
     def __init__(self, full: torch.nn.Linear, ids: torch.Tensor):
         super().__init__()
         self.vocab = full.out_features
-        self.ids = ids
+        self.ids = ids.to(full.weight.device)
         self.weight = torch.nn.Parameter(full.weight.detach()[ids].clone(), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -46,14 +46,32 @@ class ScatteredHead(torch.nn.Module):
         return out
 
 
+def placement() -> tuple[torch.device, torch.dtype]:
+    """Where the peers and the per-token costs run: the device and dtype the stack's workers
+    get from the same environment (SPECDEC_DEVICE, SPECDEC_DTYPE; `bench.run --device/--dtype`
+    sets both), so a comparison never puts the stack and its peers on different hardware."""
+    from specdec.engine.model import resolve_device, resolve_dtype
+
+    device = resolve_device(os.environ.get("SPECDEC_DEVICE", "auto"))
+    return device, resolve_dtype(os.environ.get("SPECDEC_DTYPE", "auto"), device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a wall-clock time covers it (no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def load(model_dir: str, linear_kernel: str = "default"):
-    """A model as HF code runs it; `linear_kernel` as the workers' flag (kernels.pack_linears)."""
+    """A model as HF code runs it, on `placement()`; `linear_kernel` as the workers' flag
+    (kernels.pack_linears, which packs only float32 on a CPU)."""
     from transformers import AutoModelForCausalLM
 
     from specdec.engine.kernels import pack_linears
     from specdec.engine.model import head_token_ids
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device, dtype = placement()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     ids = head_token_ids(model_dir, int(model.config.vocab_size))
     if ids is not None:  # the same checked head the draft worker serves
         model.set_output_embeddings(ScatteredHead(model.get_output_embeddings(), ids))
@@ -66,7 +84,7 @@ def measure_costs(job: dict) -> dict:
     """Median ms of a target step, a draft step and target verifies of γ+1 tokens."""
     kernel = job.get("linear_kernel", "default")
     target, draft = load(job["target_model"], kernel), load(job["draft_model"], kernel)
-    context = torch.tensor([job["context"]])  # [1, ctx]
+    context = torch.tensor([job["context"]], device=target.device)  # [1, ctx]
     max_gamma, reps = job["max_gamma"], job["reps"]
     cases = [("target_step", target, 1), ("draft_step", draft, 1)]
     cases += [(f"verify_{g}", target, g + 1) for g in range(1, max_gamma + 1)]
@@ -77,8 +95,10 @@ def measure_costs(job: dict) -> dict:
         for name, model, k in cases:  # interleaved, so drift hits every case alike
             cache = caches[name]
             cache.crop(ctx_len - k - cache.get_seq_length())  # negative: drop the last k positions
+            synchronize(context.device)
             start = time.perf_counter()
             model(context[:, -k:], past_key_values=cache, use_cache=True)
+            synchronize(context.device)
             if rep >= job["warmup"]:
                 times[name].append(time.perf_counter() - start)
     ms = {name: 1000.0 * statistics.median(t) for name, t in times.items()}
@@ -220,7 +240,8 @@ def no_eos(*models) -> None:
 def one_request(model, prompt, kwargs, assistant, seed: int) -> dict:
     torch.manual_seed(seed)
     clock = TokenClock()
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
+    synchronize(model.device)
     start = time.perf_counter()
     out = model.generate(
         ids,
@@ -229,6 +250,7 @@ def one_request(model, prompt, kwargs, assistant, seed: int) -> dict:
         assistant_model=assistant,
         **kwargs,
     )
+    synchronize(model.device)
     end = time.perf_counter()
     generated = out[0, len(prompt) :].tolist()
     first = clock.arrivals[0][0] if clock.arrivals else end
@@ -295,7 +317,7 @@ def run_peers(job: dict) -> dict:
             file=sys.stderr,
             flush=True,
         )
-    return {"threads": torch.get_num_threads(), "peers": results}
+    return {"threads": torch.get_num_threads(), "device": str(target.device), "peers": results}
 
 
 def main(argv: list[str]) -> None:

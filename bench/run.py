@@ -77,6 +77,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="default 128, quick 64")
     parser.add_argument("--concurrency", help="comma-separated (default 1,4,16, quick 1,4)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per contender")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=env("SPECDEC_DEVICE", "auto"),
+        help="where the workers, the HF peers and the per-token costs run (auto: CUDA if present)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default=env("SPECDEC_DTYPE", "auto"),
+        help="the models' dtype for all of them (auto: float32 on a CPU, bfloat16 on CUDA)",
+    )
     parser.add_argument("--timeout-s", type=float, default=900.0, help="limit of each run")
     parser.add_argument(
         "--max-other-cpu",
@@ -288,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.engine.convert import resolve_model
 
     args = parse(argv)
+    # one placement for every contender: the workers read SPECDEC_<FLAG>, and so do the HF
+    # peers and the in-process costs (bench.inproc.placement) in their subprocesses
+    os.environ["SPECDEC_DEVICE"], os.environ["SPECDEC_DTYPE"] = args.device, args.dtype
     hf_logging.set_verbosity_error()  # e.g. "sequence longer than the model" on whole files
     pairs = list(PAIRS) if args.pair == "both" else [args.pair]
     for pair in pairs:
@@ -421,7 +436,8 @@ def bench_pair(args, argv) -> None:
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(),
-            "device": "cpu",
+            "device": hf.get("device", "cpu"),
+            "dtype": args.dtype,
         },
         "threads": {
             "hf_peers": args.threads,
