@@ -317,7 +317,12 @@ def run_peers(job: dict) -> dict:
             file=sys.stderr,
             flush=True,
         )
-    return {"threads": torch.get_num_threads(), "device": str(target.device), "peers": results}
+    return {
+        "threads": torch.get_num_threads(),
+        "device": str(target.device),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "peers": results,
+    }
 
 
 def main(argv: list[str]) -> None:

@@ -18,6 +18,9 @@ Contenders, on each pair and its held-out prompts, for greedy and for sampling
 Same CPU threads for everyone: the HF peers run in a subprocess with 2 torch threads; the
 stack's target and draft workers get 1 thread each. The HF peers serve at batch size 1, so
 concurrent requests queue behind each other (reported as sequential service).
+Same device and dtype for everyone: `--device`/`--dtype` (default: the workers' SPECDEC_DEVICE
+and SPECDEC_DTYPE, else auto: CUDA in bfloat16 where there is one, else the CPU in float32)
+place the workers, the HF peers and the in-process costs alike.
 Next to them, in-process: the per-token costs at batch 1 (the model bound at concurrency 1)
 and, for each concurrency above 1, the target's pass of N sessions × 1..γ+1 new tokens and the
 draft's step of N sessions (the bound under load, `bench.report.batch_bound_for`).
@@ -437,7 +440,7 @@ def bench_pair(args, argv) -> None:
             "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(),
             "device": hf.get("device", "cpu"),
-            "dtype": args.dtype,
+            "dtype": hf.get("dtype", "float32"),
         },
         "threads": {
             "hf_peers": args.threads,

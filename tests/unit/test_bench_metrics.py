@@ -186,3 +186,70 @@ def test_goals_are_the_performance_issues_measured_side_by_side():
         pytest.approx(299 / 300),
         False,
     )
+
+
+def test_peers_and_costs_run_where_the_workers_do(monkeypatch, model_dirs):
+    """bench.inproc places the HF peers and the in-process costs on the workers' device and
+    dtype (SPECDEC_DEVICE / SPECDEC_DTYPE, which `bench.run --device/--dtype` sets)."""
+    import torch
+
+    from bench.inproc import load, placement
+
+    monkeypatch.setenv("SPECDEC_DEVICE", "cpu")
+    monkeypatch.setenv("SPECDEC_DTYPE", "bfloat16")
+    assert placement() == (torch.device("cpu"), torch.bfloat16)
+    model = load(model_dirs["target"])
+    assert next(model.parameters()).dtype == torch.bfloat16
+    monkeypatch.setenv("SPECDEC_DTYPE", "auto")
+    assert placement() == (torch.device("cpu"), torch.float32)  # auto: float32 on a CPU
+    monkeypatch.setenv("SPECDEC_DTYPE", "float64")
+    with pytest.raises(ValueError, match="dtype"):
+        placement()
+
+
+def test_bench_run_device_flags_reach_every_contender(monkeypatch):
+    """`--device/--dtype` default to the workers' environment and are handed back to it, so
+    the stack's workers and the peers' subprocesses read the same placement."""
+    import os
+
+    from bench import run
+
+    monkeypatch.setenv("SPECDEC_DEVICE", "cuda")
+    monkeypatch.delenv("SPECDEC_DTYPE", raising=False)
+    args = run.parse([])
+    assert (args.device, args.dtype) == ("cuda", "auto")
+    args = run.parse(["--device", "cpu", "--dtype", "float32"])
+    assert (args.device, args.dtype) == ("cpu", "float32")
+    with pytest.raises(SystemExit):
+        run.parse(["--device", "tpu"])
+    seen = {}
+    monkeypatch.setattr(run, "bench_pair", lambda a, argv: seen.update(vars(a)))
+    monkeypatch.setattr("specdec.engine.convert.resolve_model", lambda value, **_: value)
+    run.main(["--pair", "code", "--device", "cpu", "--dtype", "float32"])
+    assert os.environ["SPECDEC_DEVICE"] == "cpu" and os.environ["SPECDEC_DTYPE"] == "float32"
+    assert seen["device"] == "cpu"
+
+
+def test_report_header_names_the_device_the_models_ran_on():
+    from bench.tables import header
+
+    meta = {
+        "quick": True,
+        "date_utc": "2026-12-04T00:00:00+00:00",
+        "command": "python -m bench.run",
+        "duration_s": 60.0,
+        "machine": {"cpus": 16, "platform": "Linux", "python": "3.12.3"},
+        "threads": {"hf_peers": 2, "stack_target_worker": 1, "stack_draft_worker": 1},
+        "prompts": {"count": 1, "chat_template": True, "source": "x"},
+        "target_model": "t",
+        "draft_model": "d",
+        "max_new_tokens": 8,
+        "hf_assistant_defaults": {},
+    }
+    costs = {"v": {1: 1.0}, "target_step_ms": 1.0, "draft_step_ms": 0.1, "c": 0.1}
+    costs["context_tokens"] = 8
+    text = "\n".join(header({"meta": meta, "costs": costs}))
+    assert "no GPU" in text and "(float32, CPU)" in text  # runs before the device was recorded
+    meta["machine"].update(device="cuda:0", dtype="bfloat16")
+    text = "\n".join(header({"meta": meta, "costs": costs}))
+    assert "models on cuda:0" in text and "(bfloat16, cuda:0)" in text and "no GPU" not in text
