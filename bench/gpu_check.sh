@@ -23,6 +23,9 @@
 # Last line: `gpu_check: N passed, M failed, K skipped (T s)`; exit 0 only if nothing failed
 # (2 when CUDA was asked for and torch has none).
 #
+# A machine without network: bench/gpu_bundle.sh packs the wheels, SmolLM2 and its draft here
+# and unpacks them there (see its header).
+#
 # Environment: OUT (default results/gpu_check), GPU_CHECK_DEVICE (cuda), GPU_CHECK_DTYPES,
 # GPU_CHECK_BUDGET_S (450; smoke 300), GPU_CHECK_PROMPTS, GPU_CHECK_MAX_NEW_TOKENS,
 # GPU_CHECK_PAIR (auto | smollm2 | code), GPU_CHECK_MATH_VOCABS, GPU_CHECK_MATH_BATCHES,
