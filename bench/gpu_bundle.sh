@@ -47,8 +47,9 @@ opentelemetry-semantic-conventions"
 pack() {
     local py=.venv/bin/python
     [ -x "$py" ] || { echo "gpu_bundle: run make venv first (versions come from .venv)" >&2; exit 2; }
-    local work requirements
+    local requirements
     work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
     mkdir -p "$work/wheels" "$OUT"
     requirements=$("$py" - "$PINNED" "$NEEDED" <<'EOF'
 import importlib.metadata as md
@@ -83,10 +84,11 @@ EOF
 }
 
 unpack() {
-    local py work dir
+    local py dir
     py=$(command -v python3)
     [ ${#PARTS[@]} -gt 0 ] || PARTS=("$OUT")
     work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
     for dir in "${PARTS[@]}"; do cp "$dir"/part.* "$work"/ 2>/dev/null || true; done
     local sums
     sums=""
