@@ -44,6 +44,8 @@ from bench import metrics
 from bench.interference import CpuWatch
 from bench.prompts import heldout_prompts
 from bench.serving import BenchStack
+from specdec.serving.settings import add_flags
+from specdec.worker.settings import WorkerSettings
 
 MODES = (
     {"name": "greedy", "temperature": 0.0, "top_p": 1.0},
@@ -80,18 +82,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="default 128, quick 64")
     parser.add_argument("--concurrency", help="comma-separated (default 1,4,16, quick 1,4)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per contender")
-    parser.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default=env("SPECDEC_DEVICE", "auto"),
-        help="where the workers, the HF peers and the per-token costs run (auto: CUDA if present)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        default=env("SPECDEC_DTYPE", "auto"),
-        help="the models' dtype for all of them (auto: float32 on a CPU, bfloat16 on CUDA)",
-    )
+    # the workers' own --device, --dtype and --linear-kernel (same env, choices, checks):
+    # bench.run gives them to the workers, the HF peers and the per-token costs alike
+    add_flags(parser, WorkerSettings, only=("device", "dtype", "linear_kernel"))
     parser.add_argument("--timeout-s", type=float, default=900.0, help="limit of each run")
     parser.add_argument(
         "--max-other-cpu",
@@ -100,12 +93,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="repeat a measurement during which other processes used more of the CPU than this",
     )
     parser.add_argument("--retries", type=int, default=2, help="repeats of a disturbed measurement")
-    parser.add_argument(
-        "--linear-kernel",
-        choices=["auto", "packed", "default"],
-        default=env("SPECDEC_LINEAR_KERNEL", "auto"),
-        help="the stack's workers' --linear-kernel, also used for the per-token costs",
-    )
     parser.add_argument(
         "--hf-linear-kernel",
         choices=["default", "packed"],

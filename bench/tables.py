@@ -30,19 +30,20 @@ def header(result: dict) -> list[str]:
     prompts = meta["prompts"]
     v = ", ".join(f"v({g})={x:.2f}" for g, x in costs["v"].items())
     device = meta["machine"].get("device", "cpu")
-    gpu = "no GPU" if device == "cpu" else f"models on {device}"
+    on_cpu = device == "cpu"
     return [
         f"# specdec benchmark{' (--quick)' if meta['quick'] else ''}, {meta['date_utc']}",
         "",
         f"- Command: `{meta['command']}` ({meta['duration_s'] / 60:.1f} min)",
-        f"- Machine: {meta['machine']['cpus']} CPU cores, {gpu} ({meta['machine']['platform']}), "
+        f"- Machine: {meta['machine']['cpus']} CPU cores, {'no GPU' if on_cpu else f'models on {device}'} "
+        f"({meta['machine']['platform']}), "
         f"Python {meta['machine']['python']}",
         f"- Threads: HF peers {threads['hf_peers']} torch threads in one process; specdec target worker "
         f"{threads['stack_target_worker']} + draft worker {threads['stack_draft_worker']} "
         f"(= {threads['stack_target_worker'] + threads['stack_draft_worker']}). The coordinator, Redis "
         "and the benchmark client share the same cores and are not counted.",
         f"- Models: target `{meta['target_model']}`, draft `{meta['draft_model']}` "
-        f"({meta['machine'].get('dtype', 'float32')}, {device.upper() if device == 'cpu' else device})",
+        f"({meta['machine'].get('dtype', 'float32')}, {'CPU' if on_cpu else device})",
         f"- Prompts: {prompts['count']} held-out "
         + (
             "chat questions rendered with the target's chat template"

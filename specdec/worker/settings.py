@@ -16,7 +16,7 @@ class WorkerSettings(SecurityFlags):
     host: str = opt("127.0.0.1", "address to bind (0.0.0.0 in a container)")
     port: int = opt(0, "gRPC port (0 = pick a free one)")
     threads: int = opt(1, "torch intra-op threads")
-    device: str = opt("auto", "auto | cpu | cuda[:N]")
+    device: str = opt("auto", "auto | cpu | cuda[:N]", pattern=r"auto|cpu|cuda(:\d+)?")
     dtype: str = opt(
         "auto", "auto | float32 | float16 | bfloat16", ["auto", "float32", "float16", "bfloat16"]
     )
