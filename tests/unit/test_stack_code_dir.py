@@ -8,7 +8,7 @@ from specdec.launcher.stack import Stack, StackSettings
 
 REPORT = textwrap.dedent(
     """
-    import os, sys
+    import os
     print("READY", os.path.realpath(__file__), os.environ.get("SPECDEC_REDIS_URL"), flush=True)
     """
 )
