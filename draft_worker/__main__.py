@@ -51,7 +51,7 @@ def build(settings: DraftSettings):
                 settings.attention_kernel,
             )
         )
-        proposer = ModelProposer(runtime, settings.wire_top_k)
+        proposer = ModelProposer(runtime, settings.wire_top_k, settings.sampling_graphs)
     return DraftService(proposer, settings, address="")
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.core import graphs
 from specdec.core.params import SamplingParams
 from specdec.core.proposal import encode_sparse, propose_step, sparse_q
 from specdec.core.rng import seed_tensor
@@ -45,9 +46,10 @@ class ProposeOutcome:
 class ModelProposer:
     kind = "model"
 
-    def __init__(self, runtime: ModelRuntime, wire_top_k: int):
+    def __init__(self, runtime: ModelRuntime, wire_top_k: int, sampling_graphs: str = "auto"):
         self.runtime = runtime
         self.wire_top_k = wire_top_k
+        self.graphs = graphs.for_device(sampling_graphs, runtime.device)  # --sampling-graphs
         self.vocab_size = runtime.vocab_size
         self.max_context = runtime.max_context
         self.vocab_fingerprint = runtime.vocab_fingerprint
@@ -77,6 +79,7 @@ class ModelProposer:
                 torch.tensor([items[i].base_len + step for i in active], device=last.device),
                 self.wire_top_k,
                 [items[i].token_only for i in active],
+                self.graphs,
             )
             if self.head_ids is not None:  # head columns -> token ids (q̃ is unchanged)
                 proposal = proposal.over(self.head_ids)

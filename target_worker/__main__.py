@@ -47,7 +47,7 @@ def build(settings: TargetSettings):
             settings.attention_kernel,
         )
     )
-    return TargetService(TargetEngine(runtime), settings, address="")
+    return TargetService(TargetEngine(runtime, settings.sampling_graphs), settings, address="")
 
 
 def main(argv: list[str] | None = None) -> None:

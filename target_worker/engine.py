@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.core import graphs
 from specdec.core.params import SamplingParams
 from specdec.core.processed import ProcessorParams
 from specdec.core.rng import seed_tensor
@@ -46,13 +47,14 @@ class PrefillItem:
 
 
 class TargetEngine:
-    def __init__(self, runtime: ModelRuntime):
+    def __init__(self, runtime: ModelRuntime, sampling_graphs: str = "auto"):
         if runtime.head_ids is not None:
             raise ValueError(
                 "model: a restricted LM head (head.safetensors) can serve only as a draft; "
                 "verification needs the target's full distribution"
             )
         self.runtime = runtime
+        self.graphs = graphs.for_device(sampling_graphs, runtime.device)  # --sampling-graphs
 
     def process(self, items: list) -> list:
         """Run one batch from the batcher: prefill chunks and verify blocks, one forward each."""
@@ -93,7 +95,7 @@ class TargetEngine:
                 max=gamma
             )
             logits = logits.gather(1, slots[..., None].expand(-1, -1, logits.shape[-1]))
-        result = verify_logits(logits, greedy, sampling, block, seeds, base)
+        result = verify_logits(logits, greedy, sampling, block, seeds, base, self.graphs)
         num_accepted = result.num_accepted.tolist()
         outputs = result.output_tokens.tolist()
         logprobs, tops = self._logprobs(items, logits, greedy, result)

@@ -192,6 +192,7 @@ def worker_config(role: str) -> dict[str, Schema]:
         "linearKernel": string(["auto", "packed", "default"], nullable=True),
         "batchAttention": string(["auto", "sessions", "padded"], nullable=True),
         "attentionKernel": string(["auto", "compiled", "torch"], nullable=True),
+        "samplingGraphs": string(["auto", "on", "off"], nullable=True),
         "maxSessions": integer(1, nullable=True),
         "maxKvMb": integer(1, nullable=True),
         "maxSpeculativeTokens": integer(1, nullable=True),

@@ -5,7 +5,7 @@ candidate was accepted (docs/architecture.md, "Verification").
 `draw_next` draws it from dense float64 rows (the reference `verify_block` uses);
 `sample_next` is the hot path's draw from processed rows (`specdec.core.processed`) and the
 draft's sparse q̃ — the same inverse-CDF draw in vocabulary order, without a dense row: from
-the top window where the kept set lies inside it (`_sample_window`), otherwise from float32
+the top window where the kept set lies inside it (`window_draw`), otherwise from float32
 chunk masses and one exact chunk (`_sample_chunks`). A few rows on a CPU draw on Python
 numbers (`sample_next_few`).
 """
@@ -51,16 +51,14 @@ def sample_next(
     where u · mass falls is then sampled exactly in float64. The draw equals the dense one
     unless u · mass lies within float32 rounding (~1e-7 of a chunk's mass) of a chunk
     boundary. A row whose kept set lies inside its top window (a peaked row: the usual case)
-    is sampled from the window alone, exactly (`_sample_window`). q_ids, q_weights: [S, K]
+    is sampled from the window alone, exactly (`window_draw`). q_ids, q_weights: [S, K]
     q̃ of each row's position (None: no candidates)."""
     if few_rows(len(rows), rows.device):
         args = (x if x is None else x.tolist() for x in (rows, q_ids, q_weights, rejected, u))
         return torch.tensor(sample_next_few(processed, *args))
     tokens = torch.empty(len(rows), dtype=torch.int64, device=rows.device)
-    inside = processed.top_z[rows, -1] < processed.tau[rows]  # nothing kept past the window
-    if processed.top_z.shape[1] >= processed.logits.shape[1]:
-        inside[:] = True
-    for mask, sample in ((inside, _sample_window), (~inside, _sample_chunks)):
+    inside = processed.inside(rows)  # nothing kept past the row's window
+    for mask, sample in ((inside, window_draw), (~inside, _sample_chunks)):
         r = mask.nonzero().squeeze(1)
         if len(r):
             qi = None if q_ids is None else q_ids[r]
@@ -71,13 +69,12 @@ def sample_next(
 
 def sample_next_few(processed, rows, q_ids, q_weights, rejected, u) -> list[int]:
     """`sample_next` for a few rows on a CPU, every argument a list (q_ids, q_weights: [S][K]
-    or None). A row whose kept set is inside the window is drawn as `_sample_window` draws
+    or None). A row whose kept set is inside the window is drawn as `window_draw` draws
     it, on Python numbers (torch's exp, the same sequential sums and comparisons); the
     others by `_sample_chunks`."""
     tokens = [0] * len(rows)
-    last, tau = processed.top_z[:, -1].tolist(), processed.tau.tolist()
-    whole = processed.top_z.shape[1] >= processed.logits.shape[1]
-    inside = [j for j, r in enumerate(rows) if whole or last[r] < tau[r]]
+    edge, tau = processed.window_edge().tolist(), processed.tau.tolist()
+    inside = [j for j, r in enumerate(rows) if edge[r] < tau[r] or edge[r] == float("-inf")]
     if inside:
         i = row_index([rows[j] for j in inside])
         top_z, log_z = processed.top_z[i], processed.log_z[i]
@@ -108,7 +105,7 @@ def sample_next_few(processed, rows, q_ids, q_weights, rejected, u) -> list[int]
 
 
 def _draw_window(kept: list[tuple[int, float]], q: dict[int, float] | None, u: float) -> int:
-    """One `_sample_window` draw on Python numbers from the kept (token, p) pairs of a window
+    """One `window_draw` draw on Python numbers from the kept (token, p) pairs of a window
     (its other tokens add zeros to the CDF, so leaving them out changes no sum): p, or where
     q̃ is given the residual max(p − q̃, 0) (p where it has no mass: rounding only), by
     inverse CDF in vocabulary order."""
@@ -132,14 +129,15 @@ def _q_at(ids: torch.Tensor, q_ids: torch.Tensor, q_weights: torch.Tensor) -> to
     return ((ids[:, :, None] == q_ids[:, None, :]) * q[:, None, :]).sum(dim=-1)
 
 
-def _sample_window(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tensor:
+def window_draw(processed, rows, q_ids, q_weights, rejected, u, fixed=False) -> torch.Tensor:
     """`sample_next` for rows whose kept set is inside the top window: p (or the residual)
     over the window's tokens in vocabulary order, float64 — the dense draw's cumulative sums
-    exactly (the other tokens add zeros)."""
+    exactly (the other tokens add zeros). `fixed`: the residual computed for every row (no
+    value read back; the same tokens)."""
     tz, ids = processed.top_z[rows], processed.top_ids[rows]
     log_z, tau = processed.log_z[rows], processed.tau[rows]
     w = torch.where(tz >= tau[:, None], torch.exp(tz.double() - log_z[:, None]), 0.0)
-    if q_ids is not None and bool(rejected.any()):
+    if q_ids is not None and (fixed or bool(rejected.any())):
         residual = (w - _q_at(ids, q_ids, q_weights)).clamp_min(0.0)
         use = rejected & (residual.sum(dim=-1) > 0)  # no residual mass: p (rounding only)
         w = torch.where(use[:, None], residual, w)
@@ -150,6 +148,23 @@ def _sample_window(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tens
 
 def _sample_chunks(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tensor:
     """`sample_next` for rows whose kept set runs past the window (see there)."""
+    tokens, empty = chunk_draw(processed, rows, q_ids, q_weights, rejected, u)
+    empty = empty.nonzero().squeeze(1)  # rounding chose a chunk with no mass
+    if len(empty):
+        p = processed.dense(rows[empty])
+        q = (
+            p
+            if q_ids is None
+            else dense_q(q_ids[empty], q_weights[empty], processed.logits.shape[1])
+        )
+        tokens[empty] = draw_next(p, q, rejected[empty], u[empty])
+    return tokens
+
+
+def chunk_draw(processed, rows, q_ids, q_weights, rejected, u, fixed=False):
+    """`_sample_chunks`' draw: (tokens, empty [S] bool — rows whose chosen chunk has no mass,
+    reachable by rounding only, whose token is not valid). `fixed`: the residual computed for
+    every row (no value read back; the same tokens)."""
     logits = processed.logits[rows].float()
     sessions, vocab = logits.shape
     device = logits.device
@@ -160,7 +175,7 @@ def _sample_chunks(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tens
     scale = torch.exp(z_max.double() - log_z)[:, None]
     mass = chunk_sums(e).double() * scale  # [S, chunks]: p's mass per chunk
     delta = None
-    if q_ids is not None and bool(rejected.any()):
+    if q_ids is not None and (fixed or bool(rejected.any())):
         zq = z.gather(1, q_ids)
         p_q = torch.where(zq >= tau[:, None], torch.exp(zq.double() - log_z[:, None]), 0.0)
         # residual − p at the K tokens
@@ -188,10 +203,4 @@ def _sample_chunks(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tens
     before = torch.where(chunk > 0, cum[rows_, (chunk - 1).clamp(min=0)], 0.0)
     local = torch.searchsorted(w.cumsum(dim=1), (target - before)[:, None], right=True)
     last = (w > 0).long().cumsum(dim=1).argmax(dim=1)  # rounding past the chunk's end
-    tokens = start + torch.minimum(local.squeeze(1), last)
-    empty = (w.sum(dim=1) <= 0).nonzero().squeeze(1)  # rounding chose a chunk with no mass
-    if len(empty):
-        p = processed.dense(rows[empty])
-        q = p if q_ids is None else dense_q(q_ids[empty], q_weights[empty], vocab)
-        tokens[empty] = draw_next(p, q, rejected[empty], u[empty])
-    return tokens
+    return start + torch.minimum(local.squeeze(1), last), w.sum(dim=1) <= 0

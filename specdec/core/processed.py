@@ -58,6 +58,9 @@ class ProcessorParams:
     top_k: torch.Tensor  # [R] int64, 0 = off
     top_p: torch.Tensor  # [R] float64, 1 = off
     min_p: torch.Tensor  # [R] float64, 0 = off
+    # the largest top_k of the rows or of a batch they were taken from, known on the host (a
+    # bound for fixed shapes, `specdec.core.fixed`); None: not known (read from top_k)
+    top_k_max: int | None = None
 
     @classmethod
     def of(cls, params: list[SamplingParams], device=None) -> ProcessorParams:
@@ -66,16 +69,34 @@ class ProcessorParams:
             torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
             torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device),
+            max((p.top_k for p in params), default=0),
         )
 
     def __getitem__(self, rows) -> ProcessorParams:
         return ProcessorParams(
-            self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows]
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.min_p[rows],
+            self.top_k_max,
         )
 
     def repeat_rows(self, n: int) -> ProcessorParams:
         """Each row n times in a row (one per verified position of a session)."""
-        return ProcessorParams(*(t.repeat_interleave(n) for t in vars(self).values()))
+        rows = (self.temperature, self.top_k, self.top_p, self.min_p)
+        return ProcessorParams(*(repeat_each(t, n) for t in rows), self.top_k_max)
+
+    def largest_top_k(self) -> int:
+        """`top_k_max`, or (not known) the rows' largest top_k, read from the device."""
+        if self.top_k_max is not None:
+            return self.top_k_max
+        return int(self.top_k.max()) if len(self.top_k) else 0
+
+
+def repeat_each(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Each value of x [R] n times in a row, [R·n] (`repeat_interleave(n)` without its
+    read-back of the output size on a GPU, so a CUDA graph can capture it)."""
+    return x[:, None].expand(-1, n).reshape(-1)
 
 
 @dataclass
@@ -88,6 +109,24 @@ class Processed:
     log_z: torch.Tensor  # [R] float64
     top_z: torch.Tensor  # [R, W] float32, the largest z, descending
     top_ids: torch.Tensor  # [R, W] int64
+    # [R] float32: the smallest z of each row's own window (rows gathered from windows of
+    # several widths pad theirs with −inf); −inf where the window is the whole row. None: the
+    # window's last column (`window_edge`)
+    edge: torch.Tensor | None = None
+
+    def window_edge(self) -> torch.Tensor:
+        """[R]: each row's `edge`."""
+        if self.edge is not None:
+            return self.edge
+        if self.top_z.shape[1] >= self.logits.shape[1]:
+            return torch.full_like(self.tau, float("-inf"))
+        return self.top_z[:, -1]
+
+    def inside(self, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows)] bool: nothing of the row's kept set lies past its own window — its
+        window's smallest value is below τ, or nothing lies past the window at all."""
+        edge = self.window_edge()[rows]
+        return (edge < self.tau[rows]) | torch.isneginf(edge)
 
     @classmethod
     def gather(cls, logits: torch.Tensor, parts) -> Processed:
@@ -101,11 +140,13 @@ class Processed:
         top_z = torch.full((count, width), float("-inf"), device=device)
         top_ids = torch.zeros(count, width, dtype=torch.int64, device=device)
         temps = torch.ones(count, device=device)
+        edge = torch.full((count,), float("-inf"), device=device)
         for index, part in parts:
             w = part.top_z.shape[1]
             tau[index], log_z[index], temps[index] = part.tau, part.log_z, part.temperature
             top_z[index, :w], top_ids[index, :w] = part.top_z, part.top_ids
-        return cls(logits, temps, tau, log_z, top_z, top_ids)
+            edge[index] = part.window_edge()
+        return cls(logits, temps, tau, log_z, top_z, top_ids, edge)
 
     def prob(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """p(tokens) for rows (same shapes), float64."""
@@ -176,12 +217,19 @@ def _full_lse(logits, temperature, tau, z_max, scaled: bool = False) -> torch.Te
     token kept). On a CPU the rows go in blocks of `WIDE_BLOCK` values, whose temporaries
     stay in cache; each row's sum is the same whatever the blocks.
 
-    `scaled` (for top-p's whole-row normaliser, which only places the cut): without a
-    threshold z is scaled by 1/T instead of divided by T and exponentiated in place — a third
+    `scaled` (for top-p's whole-row normaliser, which only places the cut): a row without a
+    threshold has z scaled by 1/T instead of divided by T and exponentiated in place — a third
     of the passes on a CPU, at the price of a sum off by up to ~5e-7 relative (1/T rounds), a
-    shift of the cumulative masses the cut compares with top_p of that size. A log Z that p
-    itself is computed from is always summed over z divided by T, as `prob` computes z."""
+    shift of the cumulative masses the cut compares with top_p of that size. Chosen row by
+    row, so a row's sum does not depend on the rows beside it. A log Z that p itself is
+    computed from is always summed over z divided by T, as `prob` computes z."""
     every = tau is None or bool(torch.isinf(tau).all())
+    if scaled and not every:  # rows without a threshold take the scaled sum, row by row
+        free = torch.isinf(tau).nonzero().squeeze(1)  # (whatever rows share their batch)
+        out = _full_lse(logits, temperature, tau, z_max)
+        if len(free):
+            out[free] = _full_lse(logits[free], temperature[free], None, z_max[free], True)
+        return out
     count, vocab = logits.shape
     step = max(1, WIDE_BLOCK // vocab) if logits.device.type == "cpu" else max(count, 1)
     out = []

@@ -56,13 +56,16 @@ def propose_step(
     positions: torch.Tensor,
     wire_top_k: int,
     token_only: list[bool],
+    graphs=None,
 ) -> Proposal:
     """Choose one candidate per session from draft logits [B, vocab] (on the model's device).
 
     Token-only sessions (greedy) take the argmax; the others sample from q̃ with the DRAFT
     stream at their absolute position. q̃ is the top-K of the processed distribution with
     weights round(WIRE_WEIGHT_MAX · p(v) / p_max) = round(WIRE_WEIGHT_MAX · exp(z_v − z_max)):
-    the normaliser cancels, so only the window of the largest values is touched.
+    the normaliser cancels, so only the window of the largest values is touched. graphs: a
+    `specdec.core.graphs.SamplingGraphs` to draw the sampled rows in fixed shapes (one CUDA
+    graph; the same candidates and q̃), or None.
     """
     batch, vocab = logits.shape
     device = logits.device
@@ -72,23 +75,28 @@ def propose_step(
     k = min(wire_top_k, vocab)
     pp = ProcessorParams.of([params[b] for b in sampled], device=device)
     rows = logits if len(sampled) == batch else logits[sampled]  # no copy when all rows sample
-    processed = process(rows, pp, window=max(WINDOW, k), window_only=True)
-    if few_rows(len(sampled), device):
-        return _draw_few(logits, processed, sampled, seeds, positions, k)
     idx = torch.tensor(sampled, device=device)
+    seeds, positions = seeds.to(device), positions.to(device)
+    if graphs is not None:
+        chosen, ids, weights = graphs.propose(rows, pp, seeds[idx], positions[idx], k)
+    else:
+        processed = process(rows, pp, window=max(WINDOW, k), window_only=True)
+        if few_rows(len(sampled), device):
+            return _draw_few(logits, processed, sampled, seeds, positions, k)
+        z = processed.top_z[:, :k]
+        scaled = torch.exp(z.double() - z[:, :1].double()) * WIRE_WEIGHT_MAX
+        weights = torch.where(z >= processed.tau[:, None], torch.round(scaled), 0.0)
+        weights = weights.to(torch.int64)
+        ids = processed.top_ids[:, :k]
+        u = uniform(seeds[idx], positions[idx], Stream.DRAFT)
+        chosen = ids.gather(1, sample_inverse_cdf(weights, u)[:, None]).squeeze(1)  # [S]
     tokens = torch.zeros(batch, dtype=torch.int64, device=device)
     if len(sampled) < batch:  # the argmax only where it is the candidate
         only = torch.tensor([b for b in range(batch) if token_only[b]], device=device)
         tokens[only] = first_argmax(logits[only])
-    z = processed.top_z[:, :k]
-    scaled = torch.exp(z.double() - z[:, :1].double()) * WIRE_WEIGHT_MAX
-    weights = torch.where(z >= processed.tau[:, None], torch.round(scaled), 0.0).to(torch.int64)
     dist_ids = torch.zeros(batch, k, dtype=torch.int64, device=device)
     dist_weights = torch.zeros(batch, k, dtype=torch.int64, device=device)
-    dist_ids[idx], dist_weights[idx] = processed.top_ids[:, :k], weights
-    u = uniform(seeds.to(device)[idx], positions.to(device)[idx], Stream.DRAFT)
-    choice = sample_inverse_cdf(weights, u)  # [S]
-    tokens[idx] = dist_ids[idx].gather(1, choice[:, None]).squeeze(1)
+    dist_ids[idx], dist_weights[idx], tokens[idx] = ids, weights, chosen
     return Proposal(tokens=tokens, dist_ids=dist_ids, dist_weights=dist_weights)
 
 

@@ -154,12 +154,15 @@ def verify_logits(
     block: DraftBlock,
     seeds: torch.Tensor,
     base_positions: torch.Tensor,
+    graphs=None,
 ) -> VerifyResult:
     """The hot path: verify B sessions from the target's logits [B, γ+1, vocab] (p_1..p_{γ+1}
     of each session, on the model's device). greedy: [B] bool; params: the processors of the
-    sampling rows (in row order); seeds, base_positions: [B]."""
+    sampling rows (in row order); seeds, base_positions: [B]. graphs: a
+    `specdec.core.graphs.SamplingGraphs` to verify the sampling sessions in fixed shapes
+    (one CUDA graph; the same results), or None."""
     batch, slots, vocab = logits.shape
-    if few_rows(batch, logits.device):
+    if graphs is None and few_rows(batch, logits.device):
         return _verify_few(logits, greedy, params, block, seeds, base_positions)
     gamma = slots - 1
     device = logits.device
@@ -177,21 +180,22 @@ def verify_logits(
     processed = None
     if len(s):
         rows = logits if len(s) == batch else logits[s]  # no copy when all rows sample
-        n, processed = _accept_sampling(
-            rows.reshape(-1, vocab),
-            params,
-            DraftBlock(candidates[s], num[s], block.q_ids[s], block.q_weights[s]),
-            seeds[s],
-            base_positions[s],
-        )
-        row0 = torch.arange(len(s), device=device) * slots  # first row of each session
-        rejected = n < num[s]
-        at = n.clamp(max=max(gamma - 1, 0))
-        q_ids = block.q_ids[s, at] if gamma else None
-        q_weights = block.q_weights[s, at] if gamma else None
-        u = uniform(seeds[s], base_positions[s] + n, Stream.RESIDUAL)
+        sampling = DraftBlock(candidates[s], num[s], block.q_ids[s], block.q_weights[s])
+        args = (rows.reshape(-1, vocab), params, sampling, seeds[s], base_positions[s])
+        done = None if graphs is None else graphs.verify(*args)
+        if done is None:
+            n, processed = _accept_sampling(*args)
+            row0 = torch.arange(len(s), device=device) * slots  # first row of each session
+            rejected = n < num[s]
+            at = n.clamp(max=max(gamma - 1, 0))
+            q_ids = block.q_ids[s, at] if gamma else None
+            q_weights = block.q_weights[s, at] if gamma else None
+            u = uniform(seeds[s], base_positions[s] + n, Stream.RESIDUAL)
+            tokens = sample_next(processed, row0 + n, q_ids, q_weights, rejected, u)
+        else:
+            n, tokens, processed = done
         num_accepted[s] = n
-        next_tokens[s] = sample_next(processed, row0 + n, q_ids, q_weights, rejected, u)
+        next_tokens[s] = tokens
     result = assemble(candidates, num_accepted, next_tokens)
     result.processed = processed
     return result

@@ -41,6 +41,13 @@ class WorkerSettings(SecurityFlags):
         "session) | compiled (that, or fail) | torch",
         ["auto", "compiled", "torch"],
     )
+    sampling_graphs: str = opt(
+        "auto",
+        "the sampling math of a verify / draft step (temperature > 0): auto (in fixed shapes, "
+        "one CUDA graph a call, on a CUDA device; else the eager path) | on (fixed shapes on "
+        "any device: graphs on CUDA, eager elsewhere) | off (the eager path)",
+        ["auto", "on", "off"],
+    )
     max_sessions: int = opt(256, "sessions whose KV is cached (LRU beyond)")
     max_kv_mb: int = opt(1024, "KV cache memory budget in MiB (LRU eviction beyond)")
     max_speculative_tokens: int = opt(16, "largest γ accepted")

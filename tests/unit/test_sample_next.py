@@ -1,13 +1,17 @@
 """`sample_next` (the hot path's recovered/bonus draw without a dense row) against the dense
 draw it replaces, uniform by uniform: peaked rows (sampled from the top window alone) and
-flat rows (located by chunk masses, then sampled exactly inside one chunk)."""
+flat rows (located by chunk masses, then sampled exactly inside one chunk); and a row that a
+verify processed in a narrower window than its neighbours, drawn from its whole kept set."""
 
 import pytest
 import torch
 
+from specdec.core import processed as processed_mod
 from specdec.core.next_token import draw_next, sample_next
 from specdec.core.params import SamplingParams
-from specdec.core.processed import ProcessorParams, process
+from specdec.core.processed import Processed, ProcessorParams, process
+from specdec.core.rng import seed_tensor
+from specdec.core.verify import DraftBlock, verify_logits
 
 VOCAB, K, DRAWS = 5000, 16, 200
 
@@ -71,3 +75,55 @@ def test_negative_control_a_wrong_q_is_detected():
         got = sample_next(processed, rows, q_ids, q_weights, rejected, u)
         mismatches += int((got != draw_next(dense_p, other, rejected, u)).sum())
     assert mismatches > 0
+
+
+def mixed_window_rounds(rounds: int = 200) -> list[int]:
+    """Bonus tokens of a session whose rows were processed in windows of two widths: beside a
+    top-k 100 session (a window of 101) at its first position, alone (64) at its second. Its
+    bonus row is flat under top-p 0.9 (every token tied, all kept): the bonus is uniform over
+    the vocabulary, not confined to the 64 tokens of its window."""
+    vocab = 8192
+    peaked = torch.zeros(vocab)
+    peaked[7] = 50.0  # the second session's candidate, accepted with p ≈ 1
+    logits = torch.stack(
+        [
+            torch.stack([torch.arange(vocab, dtype=torch.float32) / vocab, torch.zeros(vocab)]),
+            torch.stack([peaked, torch.zeros(vocab)]),
+        ]
+    )
+    params = ProcessorParams.of(
+        [SamplingParams(temperature=1.0, top_k=100), SamplingParams(temperature=1.0, top_p=0.9)]
+    )
+    candidates = torch.tensor([[0], [7]])  # the first: outside its top-k, rejected
+    block = DraftBlock(
+        candidates,
+        torch.tensor([1, 1]),
+        candidates[..., None],
+        torch.ones(2, 1, 1, dtype=torch.float64),
+    )
+    tokens = []
+    for seed in range(rounds):
+        result = verify_logits(
+            logits,
+            torch.tensor([False, False]),
+            params,
+            block,
+            seed_tensor([seed, seed]),
+            torch.tensor([0, 0]),
+        )
+        assert result.num_accepted.tolist() == [0, 1]
+        tokens.append(int(result.output_tokens[1, 1]))
+    return tokens
+
+
+@pytest.mark.parametrize("few", [processed_mod.FEW_ROWS, 0])
+def test_a_row_from_a_narrower_window_is_drawn_from_its_whole_kept_set(monkeypatch, few):
+    monkeypatch.setattr(processed_mod, "FEW_ROWS", few)
+    assert len(set(mixed_window_rounds())) > 150  # uniform over 8192: ~197 distinct of 200
+
+
+def test_negative_control_the_gathered_window_edge_confines_the_draw(monkeypatch):
+    """Reading a gathered row's edge from the widest window's last column (−inf padding: 'all
+    kept inside the window') confines the draw to the row's 64 window tokens."""
+    monkeypatch.setattr(Processed, "window_edge", lambda self: self.top_z[:, -1])
+    assert len(set(mixed_window_rounds())) <= 64

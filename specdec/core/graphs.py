@@ -1,0 +1,231 @@
+"""The sampling hot path as CUDA graphs: one launch a verify, one a draft step (`--sampling-graphs`).
+
+`specdec.core.fixed` computes a verify's sampling sessions and a draft step's sampled rows in
+shapes that depend only on the batch's shape, with nothing read back to the host. On a CUDA
+device `SamplingGraphs` captures each such call once per shape bucket — sessions and q̃
+entries rounded up to a power of two, γ, vocabulary and window as they are — and replays it:
+the ~200 operators of a sampling verify go to the GPU as one graph instead of ~200 launches
+from Python (~10 µs each on the H200 here) with stalls between them. Inputs are copied into
+the graph's own buffers (rows past the live batch keep neutral processors: temperature 1,
+everything kept, so they neither fail nor change a live row's sums), and the results read
+back in one copy. A session the fixed shapes flag (`redo`: rare, see `specdec.core.fixed`)
+sends the whole verify to the eager path, so every result is the eager path's.
+
+Each bucket's graph keeps its own memory (inputs, outputs and the intermediates of its
+capture); at most `capacity` graphs are kept, the least recently used released beyond. On a
+CPU nothing is captured: the same padded calls run eagerly (what the tests exercise).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.core import fixed
+from specdec.core.processed import WINDOW, Processed, ProcessorParams, repeat_each
+
+# neutral values of padding rows, by input name (others are zeros)
+_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "q_weights": 1.0}
+
+
+def for_device(mode: str, device) -> SamplingGraphs | None:
+    """The workers' `--sampling-graphs`: auto = on a CUDA device only; on = any device (a
+    CPU runs the fixed shapes eagerly); off = None (the eager path)."""
+    device = torch.device(device)
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"sampling_graphs: expected one of auto, on, off, got {mode!r}")
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    return SamplingGraphs(device)
+
+
+def _bucket(n: int) -> int:
+    """n rounded up to a power of two (at least 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class _Graph:
+    """One captured (or, on a CPU, padded eager) call: its input buffers and outputs."""
+
+    fn: object
+    inputs: dict[str, torch.Tensor]  # name -> buffer, padded leading dimension
+    live: dict[str, int] = field(default_factory=dict)  # rows written by the last call
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple = ()
+
+    def feed(self, values: dict[str, torch.Tensor]) -> None:
+        """Copy the live inputs in; rows a previous call wrote past them back to neutral."""
+        for name, value in values.items():
+            buffer, rows = self.inputs[name], value.shape[0]
+            if value.shape[1:] == buffer.shape[1:]:
+                buffer[:rows].copy_(value)
+            else:  # a narrower last dimension (q̃ entries): the rest neutral
+                buffer[:rows].fill_(0)
+                buffer[:rows, ..., : value.shape[-1]].copy_(value)
+            stale = self.live.get(name, buffer.shape[0])
+            if stale > rows:
+                buffer[rows:stale].fill_(_NEUTRAL.get(name, 0))
+            self.live[name] = rows
+
+    def run(self, capture: bool) -> tuple:
+        if not capture:
+            return self.fn(**self.inputs)
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.outputs
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream(device=next(iter(self.inputs.values())).device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: lazy initialisation off the graph
+                self.fn(**self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.outputs = self.fn(**self.inputs)
+        self.graph = graph
+
+
+class SamplingGraphs:
+    """Fixed-shape sampling verify and draft steps for one device (see the module docstring).
+
+    capture: None = on a CUDA device only. `counts` says how the calls went (captures,
+    replays, calls sent back to the eager path)."""
+
+    def __init__(self, device, capture: bool | None = None, capacity: int = 16):
+        self.device = torch.device(device)
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.capacity = capacity
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._lock = threading.Lock()
+        self.counts = {"captures": 0, "calls": 0, "eager": 0}
+
+    def _graph(self, key: tuple, fn, shapes: dict[str, tuple]) -> _Graph:
+        graph = self._graphs.get(key)
+        if graph is None:
+            inputs = {}
+            for name, (shape, dtype) in shapes.items():
+                inputs[name] = torch.full(
+                    shape, _NEUTRAL.get(name, 0), dtype=dtype, device=self.device
+                )
+            graph = self._graphs[key] = _Graph(fn, inputs)
+            self.counts["captures"] += self.capture
+            while len(self._graphs) > self.capacity:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
+        return graph
+
+    def verify(
+        self, rows: torch.Tensor, pp: ProcessorParams, block, seeds, base_positions
+    ) -> tuple[torch.Tensor, torch.Tensor, Processed] | None:
+        """(accepted counts [S], next tokens [S], processed rows) of S sampling sessions, as
+        `specdec.core.verify._accept_sampling` and `sample_next` give them; None where a
+        session needs the eager path (the caller runs it)."""
+        sessions, gamma = block.candidates.shape
+        slots, vocab = gamma + 1, rows.shape[1]
+        width = fixed.width_for(pp, vocab)
+        pad, k = _bucket(sessions), _bucket(block.q_ids.shape[2])
+
+        def fn(
+            rows, temperature, top_k, top_p, min_p, candidates, num, q_ids, q_weights, seeds, base
+        ):
+            params = ProcessorParams(temperature, top_k, top_p, min_p)
+            draft = fixed.DraftBlock(candidates, num, q_ids, q_weights)
+            n, tokens, redo, processed = fixed.verify_sampling(
+                rows, params, draft, seeds, base, width
+            )
+            packed = torch.stack([n, tokens, redo.long()])
+            return packed, processed.tau, processed.log_z, processed.top_z, processed.top_ids
+
+        f32, f64, i64 = torch.float32, torch.float64, torch.int64
+        shapes = {
+            "rows": ((pad * slots, vocab), f32),
+            "temperature": ((pad,), f32),
+            "top_k": ((pad,), i64),
+            "top_p": ((pad,), f64),
+            "min_p": ((pad,), f64),
+            "candidates": ((pad, gamma), i64),
+            "num": ((pad,), i64),
+            "q_ids": ((pad, gamma, k), i64),
+            "q_weights": ((pad, gamma, k), f64),
+            "seeds": ((pad,), i64),
+            "base": ((pad,), i64),
+        }
+        values = {
+            "rows": rows,
+            "temperature": pp.temperature,
+            "top_k": pp.top_k,
+            "top_p": pp.top_p,
+            "min_p": pp.min_p,
+            "candidates": block.candidates,
+            "num": block.num_candidates,
+            "q_ids": block.q_ids,
+            "q_weights": block.q_weights,
+            "seeds": seeds,
+            "base": base_positions,
+        }
+        with self._lock:
+            graph = self._graph(("verify", pad, slots, vocab, k, width), fn, shapes)
+            graph.feed(values)
+            packed, tau, log_z, top_z, top_ids = graph.run(self.capture)
+            self.counts["calls"] += 1
+            n, tokens, redo = packed[:, :sessions].tolist()
+            if any(redo):
+                self.counts["eager"] += 1
+                return None
+            live = sessions * slots
+            processed = Processed(
+                rows,
+                repeat_each(pp.temperature, slots),
+                tau[:live].clone(),
+                log_z[:live].clone(),
+                top_z[:live].clone(),
+                top_ids[:live].clone(),
+            )
+        device = rows.device
+        return torch.tensor(n, device=device), torch.tensor(tokens, device=device), processed
+
+    def propose(
+        self, logits: torch.Tensor, pp: ProcessorParams, seeds, positions, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(candidates [S], q̃ ids [S, k], wire weights [S, k]) of S sampled draft rows, as
+        `specdec.core.proposal.propose_step` gives them."""
+        sessions, vocab = logits.shape
+        width = fixed.width_for(pp, vocab, max(WINDOW, k))
+        pad = _bucket(sessions)
+
+        def fn(rows, temperature, top_k, top_p, min_p, seeds, positions):
+            params = ProcessorParams(temperature, top_k, top_p, min_p)
+            return fixed.propose_sampling(rows, params, seeds, positions, k, width)
+
+        f32, f64, i64 = torch.float32, torch.float64, torch.int64
+        shapes = {
+            "rows": ((pad, vocab), f32),
+            "temperature": ((pad,), f32),
+            "top_k": ((pad,), i64),
+            "top_p": ((pad,), f64),
+            "min_p": ((pad,), f64),
+            "seeds": ((pad,), i64),
+            "positions": ((pad,), i64),
+        }
+        values = {
+            "rows": logits,
+            "temperature": pp.temperature,
+            "top_k": pp.top_k,
+            "top_p": pp.top_p,
+            "min_p": pp.min_p,
+            "seeds": seeds,
+            "positions": positions,
+        }
+        with self._lock:
+            graph = self._graph(("propose", pad, vocab, k, width), fn, shapes)
+            graph.feed(values)
+            tokens, ids, weights = graph.run(self.capture)
+            self.counts["calls"] += 1
+            return tokens[:sessions].clone(), ids[:sessions].clone(), weights[:sessions].clone()
