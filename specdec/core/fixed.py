@@ -61,14 +61,15 @@ def process(
     """`specdec.core.processed.process` of rows [R, vocab] in fixed shapes: (Processed,
     redo [R] bool — rows the fixed shapes could not finish exactly). `width` from
     `width_for`; with `window_only` (the draft) no row is finished past the window and log Z
-    is NaN, as there."""
+    is NaN, as there. A processor no row uses (`ProcessorParams.top_k_max`, `top_p_used`,
+    `min_p_used`, known on the host) is left out: its cut is −inf, as it would compute."""
     logits = logits if logits.dtype == torch.float32 else logits.float()
     values, ids = torch.topk(logits, width, dim=-1)
     temperature = pp.temperature.to(logits.device)
     z = values.float() / temperature[:, None]
     tau, log_z, fits, log_k, tau_k = _cuts(logits, pp, z, with_log_z=not window_only)
     redo = torch.zeros_like(fits)
-    if not window_only and width < logits.shape[1]:
+    if not window_only and width < logits.shape[1] and pp.top_p_used is not False:
         tau_n, log_z_n, redo_n = _nucleus(logits, pp, z[:, 0], log_k, tau_k)
         tau = torch.where(fits, tau, tau_n)
         log_z = torch.where(fits, log_z, log_z_n)
@@ -78,38 +79,46 @@ def process(
 
 def _cuts(logits, pp: ProcessorParams, z: torch.Tensor, with_log_z: bool):
     """`specdec.core.processed._cuts` with its whole-row sums computed for every row and
-    selected (τ, log Z, fits [R] bool, log_k, τ of top-k): the same ops on the same values, so the same
-    bits. A whole-row mass for top-p is summed as there: scaled by 1/T in a row without
-    top-k, divided by T in a row with it."""
+    selected (τ, log Z, fits [R] bool, log_k, τ of top-k): the same ops on the same values,
+    so the same bits. A whole-row mass for top-p is summed as there: scaled by 1/T in a row
+    without top-k, divided by T in a row with it."""
     rows, vocab = logits.shape
     width = z.shape[1]
     narrow = width < vocab
     temperature = pp.temperature.to(logits.device)
     ninf = torch.full((rows,), float("-inf"), device=logits.device)
     z_max = z[:, 0]
+    k_used = pp.top_k_max is None or pp.top_k_max > 0
 
-    k_on = (pp.top_k > 0) & (pp.top_k < vocab)
-    kth = z.gather(1, (pp.top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
-    tau_k = torch.where(k_on, kth, ninf)
-    p_on = pp.top_p < 1.0
-    log_k = _masked_lse(z, tau_k, z_max)
-    if narrow:
-        past = p_on & (z[:, -1] >= tau_k)
-        scaled = _row_lse(logits, temperature, z_max, None, scaled=True)
-        divided = _row_lse(logits, temperature, z_max, tau_k, scaled=False)
-        log_k = torch.where(past, torch.where(torch.isinf(tau_k), scaled, divided), log_k)
-    mass = torch.exp(z.double() - log_k[:, None])
-    before = mass.cumsum(dim=-1) - mass
-    keep = (before < pp.top_p[:, None]) & (z >= tau_k[:, None])
-    n_p = keep.sum(dim=-1).clamp(min=1)
-    tau_p = torch.where(p_on, z.gather(1, (n_p - 1)[:, None]).squeeze(1), ninf)
-    fits = ~(p_on & (n_p == width) & narrow)
-
-    m_on = pp.min_p > 0.0
-    tau_m = torch.where(
-        m_on, (z_max.double() + torch.log(pp.min_p.clamp(min=1e-300))).float(), ninf
-    )
-    tau = torch.maximum(torch.maximum(tau_k, tau_p), tau_m)
+    tau_k = ninf
+    if k_used:
+        k_on = (pp.top_k > 0) & (pp.top_k < vocab)
+        kth = z.gather(1, (pp.top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
+        tau_k = torch.where(k_on, kth, ninf)
+    tau_p, fits, log_k = ninf, torch.ones(rows, dtype=torch.bool, device=z.device), None
+    if pp.top_p_used is not False:
+        p_on = pp.top_p < 1.0
+        log_k = _masked_lse(z, tau_k, z_max)
+        if narrow:
+            past = p_on & (z[:, -1] >= tau_k)
+            whole = _row_lse(logits, temperature, z_max, None, scaled=True)
+            if k_used:
+                divided = _row_lse(logits, temperature, z_max, tau_k, scaled=False)
+                whole = torch.where(torch.isinf(tau_k), whole, divided)
+            log_k = torch.where(past, whole, log_k)
+        mass = torch.exp(z.double() - log_k[:, None])
+        before = mass.cumsum(dim=-1) - mass
+        keep = (before < pp.top_p[:, None]) & (z >= tau_k[:, None])
+        n_p = keep.sum(dim=-1).clamp(min=1)
+        tau_p = torch.where(p_on, z.gather(1, (n_p - 1)[:, None]).squeeze(1), ninf)
+        fits = ~(p_on & (n_p == width) & narrow)
+    tau = torch.maximum(tau_k, tau_p)
+    if pp.min_p_used is not False:
+        m_on = pp.min_p > 0.0
+        tau_m = torch.where(
+            m_on, (z_max.double() + torch.log(pp.min_p.clamp(min=1e-300))).float(), ninf
+        )
+        tau = torch.maximum(tau, tau_m)
     if not with_log_z:
         nan = torch.full((rows,), math.nan, dtype=torch.float64, device=z.device)
         return tau, nan, fits, log_k, tau_k
@@ -119,12 +128,6 @@ def _cuts(logits, pp: ProcessorParams, z: torch.Tensor, with_log_z: bool):
         whole = _row_lse(logits, temperature, z_max, tau, scaled=False)
         log_z = torch.where(past, whole, log_z)
     return tau, log_z, fits, log_k, tau_k
-
-
-def _to_key(x: torch.Tensor) -> torch.Tensor:
-    """float32 → int64 keys in the same order (negative floats' magnitude bits flipped)."""
-    bits = x.view(torch.int32)
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
 
 
 def _nucleus(logits, pp: ProcessorParams, z_max, log_norm, tau_k):
@@ -138,7 +141,8 @@ def _nucleus(logits, pp: ProcessorParams, z_max, log_norm, tau_k):
     rows, vocab = logits.shape
     temperature = pp.temperature.to(logits.device)
     z = logits / temperature[:, None]
-    z = torch.where(z >= tau_k[:, None], z, float("-inf"))  # the top-k set (ties kept)
+    if pp.top_k_max is None or pp.top_k_max > 0:  # the top-k set (ties kept)
+        z = torch.where(z >= tau_k[:, None], z, float("-inf"))
     depth = torch.sub(z_max[:, None], z).mul_(BINS_PER_NAT).nan_to_num_(posinf=BINS - 1)
     depth = depth.long().clamp_(0, BINS - 1)
     p = z.double().sub_(log_norm[:, None]).exp_()
@@ -159,6 +163,8 @@ def _nucleus(logits, pp: ProcessorParams, z_max, log_norm, tau_k):
     log_z = log_norm + torch.log(kept)
     # the cut (or a run of ties at it) may continue past the ordered values
     redo = (count > slots) & ((n >= slots) | (inside[:, -1] >= tau))
+    if pp.min_p_used is False:
+        return tau, log_z, redo
     tau_m = (z_max.double() + torch.log(pp.min_p.clamp(min=1e-300))).float()
     raised = (pp.min_p > 0) & (tau_m > tau)
     log_z = torch.where(raised, _masked_lse(z, tau_m, z_max), log_z)

@@ -42,6 +42,13 @@ def for_device(mode: str, device) -> SamplingGraphs | None:
     return SamplingGraphs(device)
 
 
+def _host(pp: ProcessorParams) -> tuple:
+    """Which processors the rows use, as the fixed shapes see it (part of a graph's key):
+    (top-k bound, top-p used, min-p used), the bound only as 'any top-k' (the window
+    already follows the largest top-k)."""
+    return (int(pp.largest_top_k() > 0), pp.top_p_used is not False, pp.min_p_used is not False)
+
+
 def _bucket(n: int) -> int:
     """n rounded up to a power of two (at least 1)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -131,11 +138,12 @@ class SamplingGraphs:
         slots, vocab = gamma + 1, rows.shape[1]
         width = fixed.width_for(pp, vocab)
         pad, k = _bucket(sessions), _bucket(block.q_ids.shape[2])
+        host = _host(pp)
 
         def fn(
             rows, temperature, top_k, top_p, min_p, candidates, num, q_ids, q_weights, seeds, base
         ):
-            params = ProcessorParams(temperature, top_k, top_p, min_p)
+            params = ProcessorParams(temperature, top_k, top_p, min_p, *host)
             draft = fixed.DraftBlock(candidates, num, q_ids, q_weights)
             n, tokens, redo, processed = fixed.verify_sampling(
                 rows, params, draft, seeds, base, width
@@ -171,7 +179,7 @@ class SamplingGraphs:
             "base": base_positions,
         }
         with self._lock:
-            graph = self._graph(("verify", pad, slots, vocab, k, width), fn, shapes)
+            graph = self._graph(("verify", pad, slots, vocab, k, width, host), fn, shapes)
             graph.feed(values)
             packed, tau, log_z, top_z, top_ids = graph.run(self.capture)
             self.counts["calls"] += 1
@@ -199,9 +207,10 @@ class SamplingGraphs:
         sessions, vocab = logits.shape
         width = fixed.width_for(pp, vocab, max(WINDOW, k))
         pad = _bucket(sessions)
+        host = _host(pp)
 
         def fn(rows, temperature, top_k, top_p, min_p, seeds, positions):
-            params = ProcessorParams(temperature, top_k, top_p, min_p)
+            params = ProcessorParams(temperature, top_k, top_p, min_p, *host)
             return fixed.propose_sampling(rows, params, seeds, positions, k, width)
 
         f32, f64, i64 = torch.float32, torch.float64, torch.int64
@@ -224,7 +233,7 @@ class SamplingGraphs:
             "positions": positions,
         }
         with self._lock:
-            graph = self._graph(("propose", pad, vocab, k, width), fn, shapes)
+            graph = self._graph(("propose", pad, vocab, k, width, host), fn, shapes)
             graph.feed(values)
             tokens, ids, weights = graph.run(self.capture)
             self.counts["calls"] += 1

@@ -32,6 +32,7 @@ logit, all of them are kept (the dense reference keeps whichever its sort puts f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ WIDE_BLOCK = 1 << 18
 FEW_ROWS = 8  # up to this many rows on a CPU, the decisions run on Python floats (`few_rows`)
 
 
+_ROWS = ("temperature", "top_k", "top_p", "min_p")
+
+
 @dataclass(frozen=True)
 class ProcessorParams:
     """The processors of R rows as tensors (sampling rows only: temperature > 0)."""
@@ -58,9 +62,12 @@ class ProcessorParams:
     top_k: torch.Tensor  # [R] int64, 0 = off
     top_p: torch.Tensor  # [R] float64, 1 = off
     min_p: torch.Tensor  # [R] float64, 0 = off
-    # the largest top_k of the rows or of a batch they were taken from, known on the host (a
-    # bound for fixed shapes, `specdec.core.fixed`); None: not known (read from top_k)
+    # Known on the host for the rows or a batch they were taken from (None: not known): the
+    # largest top_k (a bound for fixed shapes, `specdec.core.fixed`), and whether any row uses
+    # top-p / min-p (the fixed shapes leave out what no row uses)
     top_k_max: int | None = None
+    top_p_used: bool | None = None
+    min_p_used: bool | None = None
 
     @classmethod
     def of(cls, params: list[SamplingParams], device=None) -> ProcessorParams:
@@ -70,21 +77,21 @@ class ProcessorParams:
             torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
             torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device),
             max((p.top_k for p in params), default=0),
+            any(p.top_p < 1.0 for p in params),
+            any(p.min_p > 0.0 for p in params),
         )
 
+    def _with(self, f) -> ProcessorParams:
+        """f applied to each row tensor; what is known on the host kept."""
+        rows = (self.temperature, self.top_k, self.top_p, self.min_p)
+        return dataclasses.replace(self, **dict(zip(_ROWS, map(f, rows))))
+
     def __getitem__(self, rows) -> ProcessorParams:
-        return ProcessorParams(
-            self.temperature[rows],
-            self.top_k[rows],
-            self.top_p[rows],
-            self.min_p[rows],
-            self.top_k_max,
-        )
+        return self._with(lambda t: t[rows])
 
     def repeat_rows(self, n: int) -> ProcessorParams:
         """Each row n times in a row (one per verified position of a session)."""
-        rows = (self.temperature, self.top_k, self.top_p, self.min_p)
-        return ProcessorParams(*(repeat_each(t, n) for t in rows), self.top_k_max)
+        return self._with(lambda t: repeat_each(t, n))
 
     def largest_top_k(self) -> int:
         """`top_k_max`, or (not known) the rows' largest top_k, read from the device."""
