@@ -47,6 +47,7 @@ def revision_module(revision: str, scratch: str):
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("baseline_processed", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while defining
     spec.loader.exec_module(module)
     return module
 

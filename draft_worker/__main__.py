@@ -51,7 +51,9 @@ def build(settings: DraftSettings):
                 settings.attention_kernel,
             )
         )
-        proposer = ModelProposer(runtime, settings.wire_top_k, settings.sampling_graphs)
+        proposer = ModelProposer(
+            runtime, settings.wire_top_k, settings.sampling_graphs, settings.sampling_graphs_mb
+        )
     return DraftService(proposer, settings, address="")
 
 

@@ -46,10 +46,17 @@ class ProposeOutcome:
 class ModelProposer:
     kind = "model"
 
-    def __init__(self, runtime: ModelRuntime, wire_top_k: int, sampling_graphs: str = "auto"):
+    def __init__(
+        self,
+        runtime: ModelRuntime,
+        wire_top_k: int,
+        sampling_graphs: str = "auto",
+        sampling_graphs_mb: int = 4096,
+    ):
         self.runtime = runtime
         self.wire_top_k = wire_top_k
-        self.graphs = graphs.for_device(sampling_graphs, runtime.device)  # --sampling-graphs
+        # --sampling-graphs, --sampling-graphs-mb
+        self.graphs = graphs.for_device(sampling_graphs, runtime.device, sampling_graphs_mb)
         self.vocab_size = runtime.vocab_size
         self.max_context = runtime.max_context
         self.vocab_fingerprint = runtime.vocab_fingerprint

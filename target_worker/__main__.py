@@ -47,7 +47,8 @@ def build(settings: TargetSettings):
             settings.attention_kernel,
         )
     )
-    return TargetService(TargetEngine(runtime, settings.sampling_graphs), settings, address="")
+    engine = TargetEngine(runtime, settings.sampling_graphs, settings.sampling_graphs_mb)
+    return TargetService(engine, settings, address="")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,14 +47,17 @@ class PrefillItem:
 
 
 class TargetEngine:
-    def __init__(self, runtime: ModelRuntime, sampling_graphs: str = "auto"):
+    def __init__(
+        self, runtime: ModelRuntime, sampling_graphs: str = "auto", sampling_graphs_mb: int = 4096
+    ):
         if runtime.head_ids is not None:
             raise ValueError(
                 "model: a restricted LM head (head.safetensors) can serve only as a draft; "
                 "verification needs the target's full distribution"
             )
         self.runtime = runtime
-        self.graphs = graphs.for_device(sampling_graphs, runtime.device)  # --sampling-graphs
+        # --sampling-graphs, --sampling-graphs-mb
+        self.graphs = graphs.for_device(sampling_graphs, runtime.device, sampling_graphs_mb)
 
     def process(self, items: list) -> list:
         """Run one batch from the batcher: prefill chunks and verify blocks, one forward each."""

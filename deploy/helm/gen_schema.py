@@ -193,6 +193,7 @@ def worker_config(role: str) -> dict[str, Schema]:
         "batchAttention": string(["auto", "sessions", "padded"], nullable=True),
         "attentionKernel": string(["auto", "compiled", "torch"], nullable=True),
         "samplingGraphs": string(["auto", "on", "off"], nullable=True),
+        "samplingGraphsMb": integer(1, nullable=True),
         "maxSessions": integer(1, nullable=True),
         "maxKvMb": integer(1, nullable=True),
         "maxSpeculativeTokens": integer(1, nullable=True),

@@ -12,8 +12,8 @@ back in one copy. A session the fixed shapes flag (`redo`: rare, see `specdec.co
 sends the whole verify to the eager path, so every result is the eager path's.
 
 Each bucket's graph keeps its own memory (inputs, outputs and the intermediates of its
-capture); at most `capacity` graphs are kept, the least recently used released beyond. On a
-CPU nothing is captured: the same padded calls run eagerly (what the tests exercise).
+capture), kept within a budget (`--sampling-graphs-mb`, see `SamplingGraphs`). On a CPU
+nothing is captured: the same padded calls run eagerly (what the tests exercise).
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from specdec.core.processed import WINDOW, Processed, ProcessorParams, repeat_ea
 _NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "q_weights": 1.0}
 
 
-def for_device(mode: str, device) -> SamplingGraphs | None:
-    """The workers' `--sampling-graphs`: auto = on a CUDA device only; on = any device (a
-    CPU runs the fixed shapes eagerly); off = None (the eager path)."""
+def for_device(mode: str, device, budget_mb: int = 4096) -> SamplingGraphs | None:
+    """The workers' `--sampling-graphs` (and `--sampling-graphs-mb`): auto = on a CUDA device
+    only; on = any device (a CPU runs the fixed shapes eagerly); off = None (the eager path)."""
     device = torch.device(device)
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"sampling_graphs: expected one of auto, on, off, got {mode!r}")
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return None
-    return SamplingGraphs(device)
+    return SamplingGraphs(device, budget_mb=budget_mb)
 
 
 def _host(pp: ProcessorParams) -> tuple:
@@ -99,32 +99,57 @@ class _Graph:
         self.graph = graph
 
 
+BYTES_PER_LOGIT = 48  # a graph's memory, estimated per logit of its padded rows (see below)
+
+
 class SamplingGraphs:
     """Fixed-shape sampling verify and draft steps for one device (see the module docstring).
 
-    capture: None = on a CUDA device only. `counts` says how the calls went (captures,
-    replays, calls sent back to the eager path)."""
+    capture: None = on a CUDA device only. A graph holds its inputs, outputs and the
+    intermediates of its capture: about `BYTES_PER_LOGIT` bytes per logit of its padded rows
+    (the float32 rows and z, the float64 masses and int64 bins of the histogram, masks and
+    temporaries); graphs are kept while their estimate stays within `budget_mb` and their
+    number within `capacity`, the least recently used released beyond, and a shape whose
+    graph alone exceeds the budget runs on the eager path. `counts` says how the calls went
+    (graphs captured, calls, calls sent back to the eager path, shapes too large)."""
 
-    def __init__(self, device, capture: bool | None = None, capacity: int = 16):
+    def __init__(
+        self, device, capture: bool | None = None, capacity: int = 16, budget_mb: int = 4096
+    ):
         self.device = torch.device(device)
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.capacity = capacity
+        self.budget_mb = budget_mb
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._mb: dict[tuple, float] = {}
         self._lock = threading.Lock()
-        self.counts = {"captures": 0, "calls": 0, "eager": 0}
+        self.counts = {"captures": 0, "calls": 0, "eager": 0, "too_large": 0}
 
-    def _graph(self, key: tuple, fn, shapes: dict[str, tuple]) -> _Graph:
+    def held_mb(self) -> float:
+        """The estimated memory of the graphs kept (0 where nothing is captured)."""
+        return sum(self._mb.values())
+
+    def _graph(self, key: tuple, fn, shapes: dict[str, tuple], logits: int) -> _Graph | None:
+        """The graph of `key` (made on first use); None: too large for the budget."""
         graph = self._graphs.get(key)
         if graph is None:
+            mb = logits * BYTES_PER_LOGIT / 2**20 if self.capture else 0.0
+            if mb > self.budget_mb:
+                self.counts["too_large"] += 1
+                return None
+            while self._graphs and (
+                len(self._graphs) >= self.capacity or self.held_mb() + mb > self.budget_mb
+            ):
+                old, _ = self._graphs.popitem(last=False)
+                del self._mb[old]
             inputs = {}
             for name, (shape, dtype) in shapes.items():
                 inputs[name] = torch.full(
                     shape, _NEUTRAL.get(name, 0), dtype=dtype, device=self.device
                 )
             graph = self._graphs[key] = _Graph(fn, inputs)
+            self._mb[key] = mb
             self.counts["captures"] += self.capture
-            while len(self._graphs) > self.capacity:
-                self._graphs.popitem(last=False)
         self._graphs.move_to_end(key)
         return graph
 
@@ -133,7 +158,8 @@ class SamplingGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor, Processed] | None:
         """(accepted counts [S], next tokens [S], processed rows) of S sampling sessions, as
         `specdec.core.verify._accept_sampling` and `sample_next` give them; None where a
-        session needs the eager path (the caller runs it)."""
+        session needs the eager path, or the shape is too large for the budget (the caller
+        runs the eager path)."""
         sessions, gamma = block.candidates.shape
         slots, vocab = gamma + 1, rows.shape[1]
         width = fixed.width_for(pp, vocab)
@@ -179,7 +205,10 @@ class SamplingGraphs:
             "base": base_positions,
         }
         with self._lock:
-            graph = self._graph(("verify", pad, slots, vocab, k, width, host), fn, shapes)
+            key = ("verify", pad, slots, vocab, k, width, host)
+            graph = self._graph(key, fn, shapes, pad * slots * vocab)
+            if graph is None:
+                return None
             graph.feed(values)
             packed, tau, log_z, top_z, top_ids = graph.run(self.capture)
             self.counts["calls"] += 1
@@ -201,9 +230,10 @@ class SamplingGraphs:
 
     def propose(
         self, logits: torch.Tensor, pp: ProcessorParams, seeds, positions, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(candidates [S], q̃ ids [S, k], wire weights [S, k]) of S sampled draft rows, as
-        `specdec.core.proposal.propose_step` gives them."""
+        `specdec.core.proposal.propose_step` gives them; None: a shape too large for the
+        budget (the caller runs the eager path)."""
         sessions, vocab = logits.shape
         width = fixed.width_for(pp, vocab, max(WINDOW, k))
         pad = _bucket(sessions)
@@ -233,7 +263,9 @@ class SamplingGraphs:
             "positions": positions,
         }
         with self._lock:
-            graph = self._graph(("propose", pad, vocab, k, width, host), fn, shapes)
+            graph = self._graph(("propose", pad, vocab, k, width, host), fn, shapes, pad * vocab)
+            if graph is None:
+                return None
             graph.feed(values)
             tokens, ids, weights = graph.run(self.capture)
             self.counts["calls"] += 1

@@ -77,8 +77,9 @@ def propose_step(
     rows = logits if len(sampled) == batch else logits[sampled]  # no copy when all rows sample
     idx = torch.tensor(sampled, device=device)
     seeds, positions = seeds.to(device), positions.to(device)
-    if graphs is not None:
-        chosen, ids, weights = graphs.propose(rows, pp, seeds[idx], positions[idx], k)
+    done = None if graphs is None else graphs.propose(rows, pp, seeds[idx], positions[idx], k)
+    if done is not None:
+        chosen, ids, weights = done
     else:
         processed = process(rows, pp, window=max(WINDOW, k), window_only=True)
         if few_rows(len(sampled), device):

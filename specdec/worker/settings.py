@@ -48,6 +48,12 @@ class WorkerSettings(SecurityFlags):
         "any device: graphs on CUDA, eager elsewhere) | off (the eager path)",
         ["auto", "on", "off"],
     )
+    sampling_graphs_mb: int = opt(
+        4096,
+        "GPU memory the sampling graphs may hold, in MiB (estimated at 48 bytes a logit of a "
+        "graph's padded rows; least recently used released beyond; a shape larger than this "
+        "alone takes the eager path)",
+    )
     max_sessions: int = opt(256, "sessions whose KV is cached (LRU beyond)")
     max_kv_mb: int = opt(1024, "KV cache memory budget in MiB (LRU eviction beyond)")
     max_speculative_tokens: int = opt(16, "largest γ accepted")

@@ -25,6 +25,7 @@ from test_small_batch_math import (
 )
 
 from specdec.core import fixed
+from specdec.core import graphs as graphs_mod
 from specdec.core import processed as processed_mod
 from specdec.core.graphs import SamplingGraphs, _bucket
 from specdec.core.params import SamplingParams
@@ -260,3 +261,90 @@ def test_negative_control_redrawing_from_p_after_a_rejection_is_rejected(monkeyp
     )
     first, _, target, params = first_round(SamplingGraphs("cpu"))
     assert pvalue(first, hf_probs(target[0], params.temperature, params.top_p)) < 1e-6
+
+
+# --- the workers' flag and the memory budget ---------------------------------------------
+
+
+def test_for_device():
+    assert graphs_mod.for_device("auto", "cpu") is None  # auto: CUDA only
+    assert graphs_mod.for_device("off", "cpu") is None
+    assert isinstance(graphs_mod.for_device("on", "cpu"), SamplingGraphs)
+    with pytest.raises(ValueError, match="sampling_graphs: expected one of auto, on, off"):
+        graphs_mod.for_device("yes", "cpu")
+
+
+def test_graphs_stay_within_their_memory_budget():
+    """The estimate (48 bytes a padded logit) decides: graphs past the budget release the
+    least recently used; a shape larger than the budget alone is refused (eager path)."""
+    graphs = SamplingGraphs("cpu", capture=True, budget_mb=10)  # nothing is run here
+    shapes = {"rows": ((2, 8), torch.float32)}
+    logits = 4 * 2**20 // 48  # 4 MiB each
+    assert graphs._graph("a", None, shapes, logits) is not None
+    assert graphs._graph("b", None, shapes, logits) is not None
+    assert graphs._graph("a", None, shapes, logits) is not None  # used again: b is older
+    assert graphs._graph("c", None, shapes, logits) is not None  # 12 MiB > 10: b released
+    assert list(graphs._graphs) == ["a", "c"] and graphs.held_mb() == pytest.approx(8.0, rel=1e-4)
+    assert graphs._graph("huge", None, shapes, 11 * 2**20 // 48) is None
+    assert graphs.counts["too_large"] == 1 and graphs.counts["captures"] == 3
+
+
+def engines_outcomes(model_dirs, mode: str):
+    """A draft block and its verify for 6 sampling sessions of the code pair, through the
+    workers' engines with `--sampling-graphs mode` (on: the fixed shapes, run eagerly here)."""
+    from draft_worker.engine import ModelProposer, ProposeItem
+    from specdec.engine.kv import KVSession
+    from specdec.engine.model import ModelRuntime, RuntimeSettings
+    from target_worker.engine import TargetEngine, VerifyItem
+
+    draft = ModelRuntime(RuntimeSettings(model_dirs["draft"], device="cpu"))
+    target = ModelRuntime(RuntimeSettings(model_dirs["target"], device="cpu"))
+    prompts = ["def add(a, b):\n", "import os\n", "class A:\n", "x = [", "for i in", "# a"]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9),
+        SamplingParams(temperature=1.2),
+        SamplingParams(temperature=0.7, top_k=100, top_p=0.95),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.5, top_p=0.99),
+    ]
+    histories = [draft.tokenizer.encode(p) for p in prompts]
+    items = []
+    for i, (history, p) in enumerate(zip(histories, params)):
+        session = KVSession(f"d{i}")
+        session.sync(history)
+        items.append(ProposeItem(session, len(history), 4, p, 100 + i, False))
+    proposals = ModelProposer(draft, 32, mode).process(items)
+    verify = []
+    for i, (history, p, out) in enumerate(zip(histories, params, proposals)):
+        session = KVSession(f"t{i}")
+        session.sync(history)
+        verify.append(
+            VerifyItem(
+                session,
+                len(history),
+                out.candidates,
+                out.dist_ids,
+                out.dist_weights,
+                p,
+                100 + i,
+                True,
+                2,
+            )
+        )
+    outcomes = TargetEngine(target, mode).verify(verify)
+    return [(o.candidates, o.dist_ids, o.dist_weights) for o in proposals], outcomes
+
+
+def test_workers_engines_give_the_same_tokens_with_the_fixed_shapes(model_dirs):
+    """The engines' wiring: proposals, accepted counts, outputs and log-probabilities."""
+    proposals_on, on = engines_outcomes(model_dirs, "on")
+    proposals_off, off = engines_outcomes(model_dirs, "off")
+    assert proposals_on == proposals_off
+    assert [(o.num_accepted, o.output_ids) for o in on] == [
+        (o.num_accepted, o.output_ids) for o in off
+    ]
+    for a, b in zip(on, off):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-9)
+        assert [ids for ids, _ in a.top_logprobs] == [ids for ids, _ in b.top_logprobs]
+    assert any(o.num_accepted < 4 for o in off) and sum(len(o.output_ids) for o in off) > 6
