@@ -18,6 +18,7 @@ nothing is captured: the same padded calls run eagerly (what the tests exercise)
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ import torch
 
 from specdec.core import fixed
 from specdec.core.processed import WINDOW, Processed, ProcessorParams, repeat_each
+
+log = logging.getLogger(__name__)
 
 # neutral values of padding rows, by input name (others are zeros)
 _NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "q_weights": 1.0}
@@ -124,13 +127,32 @@ class SamplingGraphs:
         self._mb: dict[tuple, float] = {}
         self._lock = threading.Lock()
         self.counts = {"captures": 0, "calls": 0, "eager": 0, "too_large": 0}
+        self.broken = False  # a capture failed: every call takes the eager path
+
+    def _run(self, key: tuple, graph: _Graph) -> tuple | None:
+        """The graph's outputs; None where its capture failed (an operator this torch or
+        GPU cannot capture, memory): then no graph is tried again on this device, the reason
+        logged once, and every call takes the eager path."""
+        try:
+            return graph.run(self.capture)
+        except Exception as exc:
+            if graph.graph is not None or not self.capture:
+                raise  # a replay, or no capture at all: not a capture failure
+            log.warning("sampling graphs off on %s: capture failed (%s)", self.device, exc)
+            self.broken = True
+            self._graphs.pop(key, None)
+            self._mb.pop(key, None)
+            return None
 
     def held_mb(self) -> float:
         """The estimated memory of the graphs kept (0 where nothing is captured)."""
         return sum(self._mb.values())
 
     def _graph(self, key: tuple, fn, shapes: dict[str, tuple], logits: int) -> _Graph | None:
-        """The graph of `key` (made on first use); None: too large for the budget."""
+        """The graph of `key` (made on first use); None: too large for the budget, or no
+        capture works here."""
+        if self.broken:
+            return None
         graph = self._graphs.get(key)
         if graph is None:
             mb = logits * BYTES_PER_LOGIT / 2**20 if self.capture else 0.0
@@ -210,7 +232,10 @@ class SamplingGraphs:
             if graph is None:
                 return None
             graph.feed(values)
-            packed, tau, log_z, top_z, top_ids = graph.run(self.capture)
+            ran = self._run(key, graph)
+            if ran is None:
+                return None
+            packed, tau, log_z, top_z, top_ids = ran
             self.counts["calls"] += 1
             n, tokens, redo = packed[:, :sessions].tolist()
             if any(redo):
@@ -263,10 +288,14 @@ class SamplingGraphs:
             "positions": positions,
         }
         with self._lock:
-            graph = self._graph(("propose", pad, vocab, k, width, host), fn, shapes, pad * vocab)
+            key = ("propose", pad, vocab, k, width, host)
+            graph = self._graph(key, fn, shapes, pad * vocab)
             if graph is None:
                 return None
             graph.feed(values)
-            tokens, ids, weights = graph.run(self.capture)
+            ran = self._run(key, graph)
+            if ran is None:
+                return None
+            tokens, ids, weights = ran
             self.counts["calls"] += 1
             return tokens[:sessions].clone(), ids[:sessions].clone(), weights[:sessions].clone()

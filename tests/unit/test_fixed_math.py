@@ -348,3 +348,22 @@ def test_workers_engines_give_the_same_tokens_with_the_fixed_shapes(model_dirs):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-9)
         assert [ids for ids, _ in a.top_logprobs] == [ids for ids, _ in b.top_logprobs]
     assert any(o.num_accepted < 4 for o in off) and sum(len(o.output_ids) for o in off) > 6
+
+
+def test_a_capture_that_fails_sends_every_call_to_the_eager_path(caplog):
+    """Capturing where no CUDA is (this machine's torch) fails like an operator a GPU cannot
+    capture: logged once, the verify and the draft step then run on the eager path, and
+    give its results."""
+    graphs = SamplingGraphs("cpu", capture=True)
+    rng, gen = random.Random(17), torch.Generator().manual_seed(17)
+    with caplog.at_level("WARNING", "specdec.core.graphs"):
+        for call in range(1, 8):
+            args = verify_round(rng, gen, call)
+            reference, got = verify_logits(*args), verify_logits(*args, graphs=graphs)
+            assert torch.equal(got.output_tokens, reference.output_tokens)
+    assert graphs.broken and not graphs._graphs and graphs.counts["calls"] == 0
+    assert sum("capture failed" in r.message for r in caplog.records) == 1
+    logits = stress_logits(gen, 3, 8192, "peaked")
+    params = [SamplingParams(temperature=0.8, top_p=0.9)] * 3
+    args = (logits, params, seed_tensor([1, 2, 3]), torch.tensor([5, 6, 7]), 32, [False] * 3)
+    assert torch.equal(propose_step(*args, graphs=graphs).tokens, propose_step(*args).tokens)
