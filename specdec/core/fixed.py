@@ -5,9 +5,10 @@ The eager hot path (`specdec.core.processed`, `specdec.core.verify`) is built to
 little as it can: it processes a session's rows position by position only while the session
 keeps accepting, finishes only the rows whose top-p nucleus runs past the window, and looks at
 a row's whole vocabulary only where it must. Every one of those choices reads a value back
-(`nonzero`, `any`, `tolist`): on a CPU that is free, on a GPU each is a stall, and the ~200
-small operators of a sampling verify cost ~10 µs each to launch — a floor of ~5 ms a verify
-on an H200 (docs/benchmarks.md, "On an H200") whatever the vocabulary.
+(`nonzero`, `any`, `tolist`): on a CPU that is free, on a GPU each is a stall, and the
+~1,500 small operators of a sampling verify (~450 a draft step) cost a few µs each to launch
+— a floor of ~5 ms a verify on an H200 (docs/benchmarks.md, "On an H200") whatever the
+vocabulary.
 
 Here the same decisions are made for every row at once, in shapes that depend only on the
 batch's shape: every position of every session is processed, every row's whole-row sums are
@@ -15,10 +16,12 @@ computed and the right one selected with `torch.where`; the rows whose nucleus i
 window are finished in the same pass (`_nucleus`). On a GPU the extra arithmetic is
 microseconds; what is saved is the launches and the stalls.
 
-The results are the eager path's: the same window, τ and top window bit for bit, the same
-accepted counts and tokens, log Z the same values (rows finished by `_nucleus` add the same
-masses in another order: within ~1e-16) — tests/unit/test_fixed_math.py compares both on the
-small-batch stress set. A row where the fixed shapes cannot be exact is flagged (`redo`), and
+The results are the eager path's: the same accepted counts and tokens, draft candidates and
+q̃ weights, τ and top window bit for bit (tied values' tokens possibly listed in another order
+where this window is wider), log Z within rounding (~1e-16 where `_nucleus` adds the same
+masses in another order; ~1e-7 for a top-k row whose ties run past the window, which the eager
+path sums over its sorted row in float32 chunks) — tests/unit/test_fixed_math.py compares both
+on the small-batch stress set. A row where the fixed shapes cannot be exact is flagged (`redo`), and
 the caller verifies that session again on the eager path: a nucleus whose cut lies past the
 `NUCLEUS_SLOTS` largest values of its histogram bin, or a chunk draw that rounding sent to an
 empty chunk. The window is at least `WINDOW` and covers the largest top-k of the batch (known
