@@ -114,7 +114,8 @@ class SamplingGraphs:
     temporaries); graphs are kept while their estimate stays within `budget_mb` and their
     number within `capacity`, the least recently used released beyond, and a shape whose
     graph alone exceeds the budget runs on the eager path. `counts` says how the calls went
-    (graphs captured, calls, calls sent back to the eager path, shapes too large)."""
+    (graphs captured; calls replayed, of which sent back to the eager path; calls of a shape
+    too large; calls after a failed capture): `specdec_worker_sampling_graph_calls`."""
 
     def __init__(
         self, device, capture: bool | None = None, capacity: int = 16, budget_mb: int = 4096
@@ -126,7 +127,7 @@ class SamplingGraphs:
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._mb: dict[tuple, float] = {}
         self._lock = threading.Lock()
-        self.counts = {"captures": 0, "calls": 0, "eager": 0, "too_large": 0}
+        self.counts = {"captures": 0, "calls": 0, "eager": 0, "too_large": 0, "off": 0}
         self.broken = False  # a capture failed: every call takes the eager path
 
     def _run(self, key: tuple, graph: _Graph) -> tuple | None:
@@ -140,6 +141,7 @@ class SamplingGraphs:
                 raise  # a replay, or no capture at all: not a capture failure
             log.warning("sampling graphs off on %s: capture failed (%s)", self.device, exc)
             self.broken = True
+            self.counts["off"] += 1
             self._graphs.pop(key, None)
             self._mb.pop(key, None)
             return None
@@ -152,6 +154,7 @@ class SamplingGraphs:
         """The graph of `key` (made on first use); None: too large for the budget, or no
         capture works here."""
         if self.broken:
+            self.counts["off"] += 1
             return None
         graph = self._graphs.get(key)
         if graph is None:

@@ -238,10 +238,19 @@ class WorkerMetrics:
     """Metrics of a draft or target worker (label `role`)."""
 
     def __init__(
-        self, role: str, sessions_fn, kv_bytes_fn, in_flight_fn, evictions_fn, kv_capacity: int
+        self,
+        role: str,
+        sessions_fn,
+        kv_bytes_fn,
+        in_flight_fn,
+        evictions_fn,
+        kv_capacity: int,
+        graphs=None,
     ):
         m = meter()
         self.attrs = {"role": role}
+        if graphs is not None:  # --sampling-graphs: a specdec.core.graphs.SamplingGraphs
+            self._sampling_graphs(m, graphs)
         self.requests = m.create_counter(
             "specdec_worker_requests", description="worker RPCs by method and status code"
         )
@@ -288,6 +297,40 @@ class WorkerMetrics:
 
     def observe_call(self, method: str, code: str) -> None:
         self.requests.add(1, {**self.attrs, "method": method, "code": code})
+
+    def _sampling_graphs(self, m, graphs) -> None:
+        m.create_observable_counter(
+            "specdec_worker_sampling_graph_calls",
+            callbacks=[
+                lambda _o: [
+                    metrics.Observation(n, {**self.attrs, "path": path})
+                    for path, n in sampling_graph_calls(graphs.counts).items()
+                ]
+            ],
+            description="sampling verifies / draft steps by how they ran (--sampling-graphs)",
+        )
+        m.create_observable_gauge(
+            "specdec_worker_sampling_graphs",
+            callbacks=[lambda _o: [metrics.Observation(len(graphs._graphs), self.attrs)]],
+            description="CUDA graphs of the sampling math held",
+        )
+        m.create_observable_gauge(
+            "specdec_worker_sampling_graph_bytes",
+            callbacks=[lambda _o: [metrics.Observation(graphs.held_mb() * 2**20, self.attrs)]],
+            description="their estimated GPU memory (--sampling-graphs-mb)",
+        )
+
+
+def sampling_graph_calls(counts: dict) -> dict[str, int]:
+    """`specdec_worker_sampling_graph_calls` by path from `SamplingGraphs.counts`: `graph`
+    (served by a replay), `eager_redo` (replayed, then verified again on the eager path),
+    `eager_too_large` (a shape over the memory budget), `eager_off` (after a failed capture)."""
+    return {
+        "graph": counts["calls"] - counts["eager"],
+        "eager_redo": counts["eager"],
+        "eager_too_large": counts["too_large"],
+        "eager_off": counts["off"],
+    }
 
 
 class CoordinatorMetrics:

@@ -19,6 +19,12 @@ from specdec.serving.settings import add_flags, from_args
 log = logging.getLogger(__name__)
 
 
+def sampling_graphs_of(service):
+    """The worker's `specdec.core.graphs.SamplingGraphs` (its engine's or proposer's), or None."""
+    owner = getattr(service, "engine", None) or getattr(service, "proposer", None)
+    return getattr(owner, "graphs", None)
+
+
 async def serve_worker(settings, role: str, service, service_name: str, warmup) -> None:
     """Serve one worker until SIGTERM/SIGINT, then drain within settings.grace_s.
 
@@ -33,6 +39,7 @@ async def serve_worker(settings, role: str, service, service_name: str, warmup) 
             lambda: service.batcher.in_flight,
             lambda: service.table.evictions,
             settings.max_kv_mb * 2**20,
+            sampling_graphs_of(service),
         )
     server = Server([service_name], settings.max_message_mb, reflection=settings.reflection)
     server.add(service, service_name)

@@ -367,3 +367,27 @@ def test_a_capture_that_fails_sends_every_call_to_the_eager_path(caplog):
     params = [SamplingParams(temperature=0.8, top_p=0.9)] * 3
     args = (logits, params, seed_tensor([1, 2, 3]), torch.tensor([5, 6, 7]), 32, [False] * 3)
     assert torch.equal(propose_step(*args, graphs=graphs).tokens, propose_step(*args).tokens)
+
+
+def test_the_workers_metrics_count_calls_by_path():
+    """`specdec_worker_sampling_graph_calls` from a SamplingGraphs' counts: calls served by a
+    graph, sent back (redo), too large, and after a failed capture."""
+    from types import SimpleNamespace
+
+    from specdec.serving.telemetry import sampling_graph_calls
+    from specdec.worker.lifecycle import sampling_graphs_of
+
+    graphs = SamplingGraphs("cpu", capture=True, budget_mb=1000)
+    graphs._graph("huge", None, {"rows": ((1, 1), torch.float32)}, 1100 * 2**20 // 48)
+    rng, gen = random.Random(18), torch.Generator().manual_seed(18)
+    for call in range(1, 5):  # the first capture fails here (no CUDA): graphs off
+        verify_logits(*verify_round(rng, gen, call), graphs=graphs)
+    counts = sampling_graph_calls(graphs.counts)
+    assert counts["eager_too_large"] == 1 and counts["eager_off"] >= 2 and counts["graph"] == 0
+    served = SamplingGraphs("cpu")  # no capture: every call replays the fixed shapes
+    for call in range(1, 5):
+        verify_logits(*verify_round(rng, gen, call), graphs=served)
+    counts = sampling_graph_calls(served.counts)
+    assert counts["graph"] + counts["eager_redo"] == served.counts["calls"] > 0
+    assert sampling_graphs_of(SimpleNamespace(engine=SimpleNamespace(graphs=served))) is served
+    assert sampling_graphs_of(SimpleNamespace(proposer=SimpleNamespace(graphs=None))) is None

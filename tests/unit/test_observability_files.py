@@ -43,6 +43,7 @@ REQUIRED_ALERTS = {
     "SpecdecLoadShedding": "specdec_shed_requests_total",
     "SpecdecWorkerBadAnswers": "specdec_worker_bad_answers_total",
     "SpecdecKVCacheNearCapacity": "specdec_worker_kv_capacity_bytes",
+    "SpecdecSamplingGraphsOff": "specdec_worker_sampling_graph_calls_total",
 }
 DASHBOARD_NAMES = {"specdec-overview", "specdec-coordinator", "specdec-draft", "specdec-target"}
 
