@@ -122,8 +122,10 @@ def observed(model_dirs, receiver):
         # candidates (pipelined rounds add a `specdec.draft_ahead` span that overlaps the
         # verify, and a round using its block has no Propose of its own)
         coordinator_args=["--metrics-port", str(ports["coordinator"]), "--pipeline", "off"],
-        target_args=["--metrics-port", str(ports["target"])],
-        draft_args=["--metrics-port", str(ports["draft"])],
+        # the sampling math in fixed shapes (CUDA graphs on a GPU, eagerly here), so the
+        # workers export specdec_worker_sampling_graph_* as a GPU worker does
+        target_args=["--metrics-port", str(ports["target"]), "--sampling-graphs", "on"],
+        draft_args=["--metrics-port", str(ports["draft"]), "--sampling-graphs", "on"],
     )
     try:
         with Stack(settings) as stack:
