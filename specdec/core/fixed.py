@@ -30,18 +30,10 @@ on the host: `ProcessorParams.top_k_max`), so no row's top-k set is cut by it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from specdec.core.next_token import chunk_draw, window_draw
-from specdec.core.processed import (
-    WINDOW,
-    Processed,
-    ProcessorParams,
-    _masked_lse,
-    _row_lse,
-)
+from specdec.core.processed import WINDOW, Processed, ProcessorParams, _cuts, _masked_lse
 from specdec.core.proposal import WIRE_WEIGHT_MAX
 from specdec.core.rng import Stream, uniform
 from specdec.core.sampling import sample_inverse_cdf
@@ -64,13 +56,13 @@ def process(
     """`specdec.core.processed.process` of rows [R, vocab] in fixed shapes: (Processed,
     redo [R] bool — rows the fixed shapes could not finish exactly). `width` from
     `width_for`; with `window_only` (the draft) no row is finished past the window and log Z
-    is NaN, as there. A processor no row uses (`ProcessorParams.top_k_max`, `top_p_used`,
-    `min_p_used`, known on the host) is left out: its cut is −inf, as it would compute."""
+    is NaN, as there. The window's cuts are `specdec.core.processed._cuts`' own, in its
+    `fixed` form."""
     logits = logits if logits.dtype == torch.float32 else logits.float()
     values, ids = torch.topk(logits, width, dim=-1)
     temperature = pp.temperature.to(logits.device)
     z = values.float() / temperature[:, None]
-    tau, log_z, fits, log_k, tau_k = _cuts(logits, pp, z, with_log_z=not window_only)
+    tau, log_z, fits, log_k, tau_k = _cuts(logits, pp, z, not window_only, fixed=True)
     redo = torch.zeros_like(fits)
     if not window_only and width < logits.shape[1] and pp.top_p_used is not False:
         tau_n, log_z_n, redo_n = _nucleus(logits, pp, z[:, 0], log_k, tau_k)
@@ -78,59 +70,6 @@ def process(
         log_z = torch.where(fits, log_z, log_z_n)
         redo = ~fits & redo_n
     return Processed(logits, temperature, tau, log_z, z, ids), redo
-
-
-def _cuts(logits, pp: ProcessorParams, z: torch.Tensor, with_log_z: bool):
-    """`specdec.core.processed._cuts` with its whole-row sums computed for every row and
-    selected (τ, log Z, fits [R] bool, log_k, τ of top-k): the same ops on the same values,
-    so the same bits. A whole-row mass for top-p is summed as there: scaled by 1/T in a row
-    without top-k, divided by T in a row with it."""
-    rows, vocab = logits.shape
-    width = z.shape[1]
-    narrow = width < vocab
-    temperature = pp.temperature.to(logits.device)
-    ninf = torch.full((rows,), float("-inf"), device=logits.device)
-    z_max = z[:, 0]
-    k_used = pp.top_k_max is None or pp.top_k_max > 0
-
-    tau_k = ninf
-    if k_used:
-        k_on = (pp.top_k > 0) & (pp.top_k < vocab)
-        kth = z.gather(1, (pp.top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
-        tau_k = torch.where(k_on, kth, ninf)
-    tau_p, fits, log_k = ninf, torch.ones(rows, dtype=torch.bool, device=z.device), None
-    if pp.top_p_used is not False:
-        p_on = pp.top_p < 1.0
-        log_k = _masked_lse(z, tau_k, z_max)
-        if narrow:
-            past = p_on & (z[:, -1] >= tau_k)
-            whole = _row_lse(logits, temperature, z_max, None, scaled=True)
-            if k_used:
-                divided = _row_lse(logits, temperature, z_max, tau_k, scaled=False)
-                whole = torch.where(torch.isinf(tau_k), whole, divided)
-            log_k = torch.where(past, whole, log_k)
-        mass = torch.exp(z.double() - log_k[:, None])
-        before = mass.cumsum(dim=-1) - mass
-        keep = (before < pp.top_p[:, None]) & (z >= tau_k[:, None])
-        n_p = keep.sum(dim=-1).clamp(min=1)
-        tau_p = torch.where(p_on, z.gather(1, (n_p - 1)[:, None]).squeeze(1), ninf)
-        fits = ~(p_on & (n_p == width) & narrow)
-    tau = torch.maximum(tau_k, tau_p)
-    if pp.min_p_used is not False:
-        m_on = pp.min_p > 0.0
-        tau_m = torch.where(
-            m_on, (z_max.double() + torch.log(pp.min_p.clamp(min=1e-300))).float(), ninf
-        )
-        tau = torch.maximum(tau, tau_m)
-    if not with_log_z:
-        nan = torch.full((rows,), math.nan, dtype=torch.float64, device=z.device)
-        return tau, nan, fits, log_k, tau_k
-    log_z = _masked_lse(z, tau, z_max)
-    if narrow:
-        past = (z[:, -1] >= tau) & fits
-        whole = _row_lse(logits, temperature, z_max, tau, scaled=False)
-        log_z = torch.where(past, whole, log_z)
-    return tau, log_z, fits, log_k, tau_k
 
 
 def _nucleus(logits, pp: ProcessorParams, z_max, log_norm, tau_k):

@@ -288,49 +288,87 @@ def _thresholds(
     width = min(vocab, max(width, int(pp.top_k.max()) + 1 if rows else 1))
     values, ids = torch.topk(logits, width, dim=-1)  # [R, W], descending: order is z's
     z = values.float() / pp.temperature.to(logits.device)[:, None]
-    cuts = _cuts_few if few_rows(rows, logits.device) and width <= WIDE else _cuts
-    tau, log_z, fits, log_k = cuts(logits, pp, z, with_log_z)
+    if few_rows(rows, logits.device) and width <= WIDE:
+        tau, log_z, fits, log_k = _cuts_few(logits, pp, z, with_log_z)
+    else:
+        tau, log_z, fits, log_k, _ = _cuts(logits, pp, z, with_log_z)
+        fits = fits.tolist()
     return tau, log_z, z, ids, fits, log_k
 
 
-def _cuts(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor, with_log_z: bool = True):
-    """(τ, log Z, fits, log_k) of rows of logits from their top window z [R, W] (see
-    `_thresholds`): the processors' cuts as tensor ops, for any batch on any device."""
+def _cuts(
+    logits: torch.Tensor,
+    pp: ProcessorParams,
+    z: torch.Tensor,
+    with_log_z: bool = True,
+    fixed: bool = False,
+):
+    """(τ, log Z, fits [R] bool, log_k, τ of top-k) of rows of logits from their top window
+    z [R, W] (see `_thresholds`): the processors' cuts as tensor ops, for any batch on any
+    device. With `fixed` (`specdec.core.fixed`) nothing is read back: a whole-row sum is
+    computed for every row and selected (`_past_lse`), the same bits in shapes a CUDA graph
+    can capture. A processor no row uses (`ProcessorParams.top_k_max`, `top_p_used`,
+    `min_p_used`, known on the host) is left out: its cut is −inf, as computing it gives."""
     rows, vocab = logits.shape
     width = z.shape[1]
+    narrow = width < vocab
     temperature = pp.temperature.to(logits.device)
     ninf = torch.full((rows,), float("-inf"), device=logits.device)
+    z_max = z[:, 0]
+    k_used = pp.top_k_max is None or pp.top_k_max > 0
 
-    k_on = (pp.top_k > 0) & (pp.top_k < vocab)
-    kth = z.gather(1, (pp.top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
-    tau_k = torch.where(k_on, kth, ninf)
-    p_on = pp.top_p < 1.0
-    # top-p renormalises over the top-k set: its log-mass, from the window when it fits
-    log_k = _masked_lse(z, tau_k, z[:, 0])
-    past = p_on & (z[:, -1] >= tau_k) & (width < vocab)  # top-k set runs past the window
+    tau_k = ninf
+    if k_used:
+        k_on = (pp.top_k > 0) & (pp.top_k < vocab)
+        kth = z.gather(1, (pp.top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
+        tau_k = torch.where(k_on, kth, ninf)
+    tau_p, fits, log_k = ninf, torch.ones(rows, dtype=torch.bool, device=z.device), None
+    if pp.top_p_used is not False:
+        p_on = pp.top_p < 1.0
+        # top-p renormalises over the top-k set: its log-mass, from the window when it fits
+        log_k = _masked_lse(z, tau_k, z_max)
+        if narrow:  # a top-k set running past the window: summed over the row
+            past = p_on & (z[:, -1] >= tau_k)
+            cut = tau_k if k_used else None
+            log_k = _past_lse(log_k, past, logits, temperature, cut, z_max, True, fixed)
+        mass = torch.exp(z.double() - log_k[:, None])  # top-k-renormalised p of the window
+        before = mass.cumsum(dim=-1) - mass  # mass strictly above each rank
+        keep = (before < pp.top_p[:, None]) & (z >= tau_k[:, None])
+        n_p = keep.sum(dim=-1).clamp(min=1)
+        tau_p = torch.where(p_on, z.gather(1, (n_p - 1)[:, None]).squeeze(1), ninf)
+        fits = ~(p_on & (n_p == width) & narrow)
+    tau = torch.maximum(tau_k, tau_p)
+    if pp.min_p_used is not False:
+        m_on = pp.min_p > 0.0
+        log_min = torch.log(pp.min_p.clamp(min=1e-300))
+        tau_m = torch.where(m_on, (z_max.double() + log_min).float(), ninf)
+        tau = torch.maximum(tau, tau_m)
+    if not with_log_z:
+        nan = torch.full((rows,), math.nan, dtype=torch.float64, device=z.device)
+        return tau, nan, fits, log_k, tau_k
+    log_z = _masked_lse(z, tau, z_max)
+    if narrow:  # kept tokens past the window
+        past = (z[:, -1] >= tau) & fits
+        log_z = _past_lse(log_z, past, logits, temperature, tau, z_max, False, fixed)
+    return tau, log_z, fits, log_k, tau_k
+
+
+def _past_lse(current, past, logits, temperature, tau, z_max, scaled: bool, fixed: bool):
+    """`current` (log-sums over the window) with the rows `past` replaced by their whole-row
+    log-sum (`_full_lse`; τ None: every token kept). Eager: only those rows summed. `fixed`:
+    every row summed and the right one selected, nothing read back; with `scaled` a row
+    without a threshold takes the scaled sum, as `_full_lse` chooses it row by row."""
+    if fixed:
+        whole = None if tau is None else _row_lse(logits, temperature, z_max, tau, False)
+        if scaled or tau is None:
+            free = _row_lse(logits, temperature, z_max, None, scaled)
+            whole = free if whole is None else torch.where(torch.isinf(tau), free, whole)
+        return torch.where(past, whole, current)
     if bool(past.any()):  # usually every row (top-p alone): then no copy of the rows
         r = slice(None) if bool(past.all()) else past.nonzero().squeeze(1)
-        log_k[r] = _full_lse(logits[r], temperature[r], tau_k[r], z[r, 0], scaled=True)
-    mass = torch.exp(z.double() - log_k[:, None])  # top-k-renormalised p of the window
-    before = mass.cumsum(dim=-1) - mass  # mass strictly above each rank
-    keep = (before < pp.top_p[:, None]) & (z >= tau_k[:, None])
-    n_p = keep.sum(dim=-1).clamp(min=1)
-    tau_p = torch.where(p_on, z.gather(1, (n_p - 1)[:, None]).squeeze(1), ninf)
-    fits = ~(p_on & (n_p == width) & (width < vocab))
-
-    m_on = pp.min_p > 0.0
-    tau_m = torch.where(
-        m_on, (z[:, 0].double() + torch.log(pp.min_p.clamp(min=1e-300))).float(), ninf
-    )
-    tau = torch.maximum(torch.maximum(tau_k, tau_p), tau_m)
-    if not with_log_z:
-        return tau, torch.full((rows,), math.nan, dtype=torch.float64), fits.tolist(), log_k
-    log_z = _masked_lse(z, tau, z[:, 0])
-    past = (z[:, -1] >= tau) & fits & (width < vocab)  # kept tokens past the window
-    if bool(past.any()):
-        r = slice(None) if bool(past.all()) else past.nonzero().squeeze(1)
-        log_z[r] = _full_lse(logits[r], temperature[r], tau[r], z[r, 0])
-    return tau, log_z, fits.tolist(), log_k
+        cut = None if tau is None else tau[r]
+        current[r] = _full_lse(logits[r], temperature[r], cut, z_max[r], scaled)
+    return current
 
 
 def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor, with_log_z: bool = True):

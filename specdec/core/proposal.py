@@ -75,21 +75,23 @@ def propose_step(
     k = min(wire_top_k, vocab)
     pp = ProcessorParams.of([params[b] for b in sampled], device=device)
     rows = logits if len(sampled) == batch else logits[sampled]  # no copy when all rows sample
-    idx = torch.tensor(sampled, device=device)
-    seeds, positions = seeds.to(device), positions.to(device)
-    done = None if graphs is None else graphs.propose(rows, pp, seeds[idx], positions[idx], k)
+    idx, done = None, None
+    if graphs is not None:
+        idx = torch.tensor(sampled, device=device)
+        done = graphs.propose(rows, pp, seeds.to(device)[idx], positions.to(device)[idx], k)
     if done is not None:
         chosen, ids, weights = done
     else:
         processed = process(rows, pp, window=max(WINDOW, k), window_only=True)
         if few_rows(len(sampled), device):
             return _draw_few(logits, processed, sampled, seeds, positions, k)
+        idx = torch.tensor(sampled, device=device) if idx is None else idx
         z = processed.top_z[:, :k]
         scaled = torch.exp(z.double() - z[:, :1].double()) * WIRE_WEIGHT_MAX
         weights = torch.where(z >= processed.tau[:, None], torch.round(scaled), 0.0)
         weights = weights.to(torch.int64)
         ids = processed.top_ids[:, :k]
-        u = uniform(seeds[idx], positions[idx], Stream.DRAFT)
+        u = uniform(seeds.to(device)[idx], positions.to(device)[idx], Stream.DRAFT)
         chosen = ids.gather(1, sample_inverse_cdf(weights, u)[:, None]).squeeze(1)  # [S]
     tokens = torch.zeros(batch, dtype=torch.int64, device=device)
     if len(sampled) < batch:  # the argmax only where it is the candidate

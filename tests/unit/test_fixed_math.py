@@ -17,10 +17,9 @@ import random
 import pytest
 import torch
 from test_small_batch_math import (
-    KINDS,
-    VOCABS,
+    differing_proposals,
+    draft_round,
     stress_logits,
-    stress_params,
     verify_round,
 )
 
@@ -109,21 +108,10 @@ def compare_draft(calls: int, seed: int) -> tuple[int, int]:
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     rows = differ = 0
     for call in range(calls):
-        batch = rng.randint(1, 8)
-        logits = stress_logits(gen, batch, VOCABS[call % 3], rng.choice(KINDS))
-        params = [stress_params(rng) for _ in range(batch)]
-        token_only = [rng.random() < 0.15 for _ in range(batch)]
-        seeds = seed_tensor([rng.getrandbits(64) for _ in range(batch)])
-        positions = torch.tensor([rng.randrange(4096) for _ in range(batch)])
-        k = rng.choice((1, 8, 32, 32, 64, 100))
-        args = (logits, params, seeds, positions, k, token_only)
+        args = draft_round(rng, gen, call)
         reference, got = propose_step(*args), propose_step(*args, graphs=graphs)
-        rows += batch
-        if all(token_only):
-            differ += not torch.equal(got.tokens, reference.tokens)
-            continue
-        same = (got.tokens == reference.tokens) & (got.dist_ids == reference.dist_ids).all(1)
-        differ += int((~(same & (got.dist_weights == reference.dist_weights).all(1))).sum())
+        rows += args[0].shape[0]
+        differ += differing_proposals(got, reference, args[-1])
     return rows, differ
 
 

@@ -95,27 +95,35 @@ def test_processed_rows_are_the_torch_paths(monkeypatch):
     assert rows >= 11_000 and differ == 0
 
 
+def draft_round(rng: random.Random, gen: torch.Generator, call: int) -> tuple:
+    """The arguments of `propose_step` for 1–8 rows, token-only rows mixed in."""
+    batch = rng.randint(1, 8)
+    logits = stress_logits(gen, batch, VOCABS[call % 3], rng.choice(KINDS))
+    params = [stress_params(rng) for _ in range(batch)]
+    token_only = [rng.random() < 0.15 for _ in range(batch)]
+    seeds = seed_tensor([rng.getrandbits(64) for _ in range(batch)])
+    positions = torch.tensor([rng.randrange(4096) for _ in range(batch)])
+    k = rng.choice((1, 8, 32, 32, 64, 100))
+    return logits, params, seeds, positions, k, token_only
+
+
+def differing_proposals(got, reference, token_only: list[bool]) -> int:
+    """Rows whose candidate, q̃ ids or integer weights differ (all token-only: the call)."""
+    if all(token_only):
+        return int(not torch.equal(got.tokens, reference.tokens))
+    same = (got.tokens == reference.tokens) & (got.dist_ids == reference.dist_ids).all(1)
+    return int((~(same & (got.dist_weights == reference.dist_weights).all(1))).sum())
+
+
 def test_draft_steps_are_the_torch_paths(monkeypatch):
     """Candidates, q̃ ids and integer weights of `propose_step`, token-only rows mixed in."""
     rng, gen = random.Random(2), torch.Generator().manual_seed(2)
     rows = differ = 0
     for call in range(DRAFT_CALLS):
-        batch = rng.randint(1, 8)
-        logits = stress_logits(gen, batch, VOCABS[call % 3], rng.choice(KINDS))
-        params = [stress_params(rng) for _ in range(batch)]
-        token_only = [rng.random() < 0.15 for _ in range(batch)]
-        seeds = seed_tensor([rng.getrandbits(64) for _ in range(batch)])
-        positions = torch.tensor([rng.randrange(4096) for _ in range(batch)])
-        k = rng.choice((1, 8, 32, 32, 64, 100))
-        fast, reference = on_both_paths(
-            monkeypatch, propose_step, logits, params, seeds, positions, k, token_only
-        )
-        rows += batch
-        if all(token_only):
-            differ += not torch.equal(fast.tokens, reference.tokens)
-            continue
-        same = (fast.tokens == reference.tokens) & (fast.dist_ids == reference.dist_ids).all(1)
-        differ += int((~(same & (fast.dist_weights == reference.dist_weights).all(1))).sum())
+        args = draft_round(rng, gen, call)
+        fast, reference = on_both_paths(monkeypatch, propose_step, *args)
+        rows += args[0].shape[0]
+        differ += differing_proposals(fast, reference, args[-1])
     assert rows >= 3_500 and differ == 0
 
 
