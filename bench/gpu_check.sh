@@ -6,7 +6,8 @@
 #   bash bench/gpu_check.sh --only=greedy,math       # a subset (env always runs):
 #                                                    # greedy, math-cpu, math, bench
 #
-# Steps, each timed, each with its own PASS / FAIL / SKIP line (driver: bench/gpu_check.py):
+# Steps, each timed, each with its own PASS / FAIL / SKIP line (driver: bench/gpu_check.py;
+# the steps in bench/gpu_env.py, bench/gpu_greedy.py, bench/gpu_math.py):
 #   0 env      which python, torch and CUDA it found; whether the stack's modules import
 #              (exit 2 at once when the device is cuda and torch has no CUDA)
 #   1 greedy   the real stack (Redis, draft + target workers on --device, coordinator) against

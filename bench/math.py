@@ -71,7 +71,7 @@ def dense_draft_step(logits, params, seeds, positions):
 
 
 def case_inputs(vocab: int, batch: int, mode: str) -> dict:
-    """What `case` times (also bench/gpu_check.py, on a GPU): LLM-like draft and target
+    """What `case` times (also bench/gpu_math.py, on a GPU): LLM-like draft and target
     logits, the draft's candidates and sparse q̃, seeds and positions, on the CPU."""
     params = [MODES[mode]] * batch
     greedy = params[0].greedy

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import torch
 
+from specdec.core.logsum import masked_lse
 from specdec.core.next_token import chunk_draw, window_draw
-from specdec.core.processed import WINDOW, Processed, ProcessorParams, _cuts, _masked_lse
+from specdec.core.processed import WINDOW, Processed, ProcessorParams, cuts
 from specdec.core.proposal import WIRE_WEIGHT_MAX
 from specdec.core.rng import Stream, uniform
 from specdec.core.sampling import sample_inverse_cdf
@@ -56,13 +57,13 @@ def process(
     """`specdec.core.processed.process` of rows [R, vocab] in fixed shapes: (Processed,
     redo [R] bool — rows the fixed shapes could not finish exactly). `width` from
     `width_for`; with `window_only` (the draft) no row is finished past the window and log Z
-    is NaN, as there. The window's cuts are `specdec.core.processed._cuts`' own, in its
+    is NaN, as there. The window's cuts are `specdec.core.processed.cuts`' own, in its
     `fixed` form."""
     logits = logits if logits.dtype == torch.float32 else logits.float()
     values, ids = torch.topk(logits, width, dim=-1)
     temperature = pp.temperature.to(logits.device)
     z = values.float() / temperature[:, None]
-    tau, log_z, fits, log_k, tau_k = _cuts(logits, pp, z, not window_only, fixed=True)
+    tau, log_z, fits, log_k, tau_k = cuts(logits, pp, z, not window_only, fixed=True)
     redo = torch.zeros_like(fits)
     if not window_only and width < logits.shape[1] and pp.top_p_used is not False:
         tau_n, log_z_n, redo_n = _nucleus(logits, pp, z[:, 0], log_k, tau_k)
@@ -74,12 +75,12 @@ def process(
 
 def _nucleus(logits, pp: ProcessorParams, z_max, log_norm, tau_k):
     """(τ, log Z, redo) of top-p for every row, as the eager path finishes a nucleus past the
-    window (`specdec.core.processed._nucleus_cuts`), in fixed shapes: the histogram of each
+    window (`specdec.core.nucleus.nucleus_cuts`), in fixed shapes: the histogram of each
     row's mass (tokens below top-k's τ_k left out; log_norm: the top-k set's log-mass) locates
     the bin where the nucleus ends; the `NUCLEUS_SLOTS` largest values of that bin are
     ordered (a top-k of the row with everything else masked) and the cut found among them.
     redo where the cut may lie past them. A min-p cut above top-p's replaces it, with its
-    kept set summed over the row (as `_wide_rows`)."""
+    kept set summed over the row (as `specdec.core.nucleus.wide_rows`)."""
     rows, vocab = logits.shape
     temperature = pp.temperature.to(logits.device)
     z = logits / temperature[:, None]
@@ -109,7 +110,7 @@ def _nucleus(logits, pp: ProcessorParams, z_max, log_norm, tau_k):
         return tau, log_z, redo
     tau_m = (z_max.double() + torch.log(pp.min_p.clamp(min=1e-300))).float()
     raised = (pp.min_p > 0) & (tau_m > tau)
-    log_z = torch.where(raised, _masked_lse(z, tau_m, z_max), log_z)
+    log_z = torch.where(raised, masked_lse(z, tau_m, z_max), log_z)
     return torch.where(raised, tau_m, tau), log_z, redo & ~raised
 
 

@@ -10,11 +10,11 @@ threshold τ per row, and
 
 So a row is described by (τ, log Z): O(1) numbers instead of a dense [vocab] float64 row.
 Finding τ needs only the row's largest values: `torch.topk` of a small window (`WINDOW`).
-Rows whose top-p nucleus does not fit are finished together (`_wide_rows`, in blocks of rows
-small enough to stay in cache) from a histogram of their mass and an ordering of the one bin
-where each nucleus ends (`_nucleus_cuts`), never a sort of the vocabulary; their log Z comes
+Rows whose top-p nucleus does not fit are finished together (`specdec.core.nucleus`, in
+blocks of rows small enough to stay in cache) from a histogram of their mass and an ordering
+of the one bin where each nucleus ends, never a sort of the vocabulary; their log Z comes
 from the same float64 masses. Otherwise log Z comes from the window when the kept set fits in
-it, else from one pass over the row; the whole-row sums are float32 exps added in float64 (p
+it, else from one pass over the row (`specdec.core.logsum`: float32 exps added in float64, p
 then sums to 1 within ~1e-7).
 
 A few rows on a CPU (`few_rows`: a round at low concurrency) cost far more in per-op dispatch
@@ -40,14 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.core.logsum import WIDE, full_lse, masked_lse, row_lse
+from specdec.core.nucleus import wide_rows
 from specdec.core.params import SamplingParams
-from specdec.core.reduce import chunked
 
 WINDOW = 64  # top values examined for every sampling row (more only where a nucleus needs it)
-WIDE = 2048  # up to this many values (a window), log Z is computed all in float64
-# values of the rows whole-row passes take together on a CPU (`_wide_rows`, `_full_lse`): a
-# float64 pass over them (2 MB) stays cached
-WIDE_BLOCK = 1 << 18
 FEW_ROWS = 8  # up to this many rows on a CPU, the decisions run on Python floats (`few_rows`)
 
 
@@ -187,78 +184,6 @@ class Processed:
         return torch.where(z >= self.tau[rows, None], p, torch.zeros_like(p))
 
 
-CHUNK = 512  # float32 partial sums of this many values, added in float64 (`_sum64`)
-
-
-def chunk_sums(x: torch.Tensor) -> torch.Tensor:
-    """float32 sums of consecutive chunks of `CHUNK` values of each row of x [R, N] (views,
-    no copy), the last chunk possibly shorter: [R, ⌈N / CHUNK⌉]."""
-    return chunked(x, torch.sum, CHUNK)
-
-
-def _sum64(x: torch.Tensor) -> torch.Tensor:
-    """Row sums of float32 x [R, N] as float64, within ~1e-8 relative of an exact sum: the
-    `chunk_sums` added in float64. A float64 accumulation (`sum(dtype=float64)`) converts
-    every value and costs ~20× as much on a CPU; a whole-row float32 sum is off by ~1e-7."""
-    return chunk_sums(x).double().sum(dim=-1)
-
-
-def _lse(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
-    """log Σ exp(z) per row [R, N] (−inf entries count 0), float64. A window: all in
-    float64; a whole row: exp in float32 (bandwidth), summed by `_sum64` — p then sums to 1
-    within ~1e-7."""
-    if z.shape[-1] <= WIDE:
-        shifted = torch.exp(z.double() - z_max.double()[:, None])
-        return torch.log(shifted.sum(dim=-1)) + z_max.double()
-    return torch.log(_sum64(torch.exp(z - z_max[:, None]))) + z_max.double()
-
-
-def _masked_lse(z: torch.Tensor, tau: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
-    """log Σ_{z ≥ τ} exp(z) per row of z [R, N] (float64); z_max: each row's largest z."""
-    kept = torch.where(z >= tau[:, None], z, torch.full_like(z, float("-inf")))
-    return _lse(kept, z_max)
-
-
-def _full_lse(logits, temperature, tau, z_max, scaled: bool = False) -> torch.Tensor:
-    """log Σ_{z ≥ τ} exp(z) over whole rows (one pass; τ None, or −inf on every row: every
-    token kept). On a CPU the rows go in blocks of `WIDE_BLOCK` values, whose temporaries
-    stay in cache; each row's sum is the same whatever the blocks.
-
-    `scaled` (for top-p's whole-row normaliser, which only places the cut): a row without a
-    threshold has z scaled by 1/T instead of divided by T and exponentiated in place — a third
-    of the passes on a CPU, at the price of a sum off by up to ~5e-7 relative (1/T rounds), a
-    shift of the cumulative masses the cut compares with top_p of that size. Chosen row by
-    row, so a row's sum does not depend on the rows beside it. A log Z that p itself is
-    computed from is always summed over z divided by T, as `prob` computes z."""
-    every = tau is None or bool(torch.isinf(tau).all())
-    if scaled and not every:  # rows without a threshold take the scaled sum, row by row
-        free = torch.isinf(tau).nonzero().squeeze(1)  # (whatever rows share their batch)
-        out = _full_lse(logits, temperature, tau, z_max)
-        if len(free):
-            out[free] = _full_lse(logits[free], temperature[free], None, z_max[free], True)
-        return out
-    count, vocab = logits.shape
-    step = max(1, WIDE_BLOCK // vocab) if logits.device.type == "cpu" else max(count, 1)
-    out = []
-    for start in range(0, count, step):
-        rows = slice(start, start + step)
-        block = logits[rows], temperature[rows], z_max[rows]
-        out.append(_row_lse(*block, None if every else tau[rows], scaled and every))
-    if not out:
-        return torch.zeros(0, dtype=torch.float64, device=logits.device)
-    return out[0] if len(out) == 1 else torch.cat(out)
-
-
-def _row_lse(logits, temperature, z_max, tau, scaled: bool) -> torch.Tensor:
-    """`_full_lse` of a block of rows; τ None: every token kept."""
-    if scaled and logits.shape[-1] > WIDE:
-        z = logits.float() * temperature.reciprocal()[:, None]  # = 1.0 / T, bit for bit
-        z.sub_(z_max[:, None]).exp_()
-        return torch.log(_sum64(z)) + z_max.double()
-    z = logits.float() / temperature[:, None]
-    return _lse(z, z_max) if tau is None else _masked_lse(z, tau, z_max)
-
-
 def few_rows(count: int, device: torch.device) -> bool:
     """Whether `count` rows on `device` take the small-batch path: on a CPU, up to `FEW_ROWS`
     rows cost more in per-op dispatch (~5–10 µs a torch op, ~100 ops a pass) than in
@@ -291,12 +216,12 @@ def _thresholds(
     if few_rows(rows, logits.device) and width <= WIDE:
         tau, log_z, fits, log_k = _cuts_few(logits, pp, z, with_log_z)
     else:
-        tau, log_z, fits, log_k, _ = _cuts(logits, pp, z, with_log_z)
+        tau, log_z, fits, log_k, _ = cuts(logits, pp, z, with_log_z)
         fits = fits.tolist()
     return tau, log_z, z, ids, fits, log_k
 
 
-def _cuts(
+def cuts(
     logits: torch.Tensor,
     pp: ProcessorParams,
     z: torch.Tensor,
@@ -326,7 +251,7 @@ def _cuts(
     if pp.top_p_used is not False:
         p_on = pp.top_p < 1.0
         # top-p renormalises over the top-k set: its log-mass, from the window when it fits
-        log_k = _masked_lse(z, tau_k, z_max)
+        log_k = masked_lse(z, tau_k, z_max)
         if narrow:  # a top-k set running past the window: summed over the row
             past = p_on & (z[:, -1] >= tau_k)
             cut = tau_k if k_used else None
@@ -346,7 +271,7 @@ def _cuts(
     if not with_log_z:
         nan = torch.full((rows,), math.nan, dtype=torch.float64, device=z.device)
         return tau, nan, fits, log_k, tau_k
-    log_z = _masked_lse(z, tau, z_max)
+    log_z = masked_lse(z, tau, z_max)
     if narrow:  # kept tokens past the window
         past = (z[:, -1] >= tau) & fits
         log_z = _past_lse(log_z, past, logits, temperature, tau, z_max, False, fixed)
@@ -355,36 +280,36 @@ def _cuts(
 
 def _past_lse(current, past, logits, temperature, tau, z_max, scaled: bool, fixed: bool):
     """`current` (log-sums over the window) with the rows `past` replaced by their whole-row
-    log-sum (`_full_lse`; τ None: every token kept). Eager: only those rows summed. `fixed`:
+    log-sum (`full_lse`; τ None: every token kept). Eager: only those rows summed. `fixed`:
     every row summed and the right one selected, nothing read back; with `scaled` a row
-    without a threshold takes the scaled sum, as `_full_lse` chooses it row by row."""
+    without a threshold takes the scaled sum, as `full_lse` chooses it row by row."""
     if fixed:
-        whole = None if tau is None else _row_lse(logits, temperature, z_max, tau, False)
+        whole = None if tau is None else row_lse(logits, temperature, z_max, tau, False)
         if scaled or tau is None:
-            free = _row_lse(logits, temperature, z_max, None, scaled)
+            free = row_lse(logits, temperature, z_max, None, scaled)
             whole = free if whole is None else torch.where(torch.isinf(tau), free, whole)
         return torch.where(past, whole, current)
     if bool(past.any()):  # usually every row (top-p alone): then no copy of the rows
         r = slice(None) if bool(past.all()) else past.nonzero().squeeze(1)
         cut = None if tau is None else tau[r]
-        current[r] = _full_lse(logits[r], temperature[r], cut, z_max[r], scaled)
+        current[r] = full_lse(logits[r], temperature[r], cut, z_max[r], scaled)
     return current
 
 
 def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor, with_log_z: bool = True):
-    """`_cuts` for a few rows on a CPU, decided on Python floats. The window's float32 values
+    """`cuts` for a few rows on a CPU, decided on Python floats. The window's float32 values
     compare exactly as doubles; every exp, log and sum is still torch's op on the values
-    `_cuts` gives it (Python's and numpy's exp and log differ from torch's by an ulp now and
-    then, their sums add in another order), whole-row sums go to `_full_lse` with the same
+    `cuts` gives it (Python's and numpy's exp and log differ from torch's by an ulp now and
+    then, their sums add in another order), whole-row sums go to `full_lse` with the same
     rows, and only the cumulative sum is Python's, adding in torch's (sequential) order. So
-    each result is `_cuts`' bit for bit."""
+    each result is `cuts`' bit for bit."""
     rows, vocab = logits.shape
     width = z.shape[1]
     narrow = width < vocab
     window = z.tolist()  # [R][W], descending
     top_k, top_p, min_p = pp.top_k.tolist(), pp.top_p.tolist(), pp.min_p.tolist()
     zd = z.double()
-    shifted = torch.exp(zd - zd[:, :1])  # [R, W] exp(z − z_max), as `_lse` computes it
+    shifted = torch.exp(zd - zd[:, :1])  # [R, W] exp(z − z_max), as `lse` computes it
 
     def pick(x: torch.Tensor, group: list[int]) -> torch.Tensor:
         """The rows `group` of x (x itself when they are all its rows: no op)."""
@@ -392,7 +317,7 @@ def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor, with_l
 
     def lse(tau: list[float], rows_past: list[bool], scaled: bool = False) -> list[float]:
         """log Σ_{z ≥ τ} exp(z) per row: from the window, or from the whole row where
-        `rows_past` (those rows in one `_full_lse`, as `_cuts` makes it)."""
+        `rows_past` (those rows in one `full_lse`, as `cuts` makes it)."""
         out = [0.0] * rows
         inside = [r for r in range(rows) if not rows_past[r]]
         past = [r for r in range(rows) if rows_past[r]]
@@ -406,7 +331,7 @@ def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor, with_l
             if any(tau[r] > -math.inf for r in past):
                 cut = torch.tensor([tau[r] for r in past], dtype=torch.float32)
             z_max = pick(z, past)[:, 0]
-            sums = _full_lse(pick(logits, past), pick(pp.temperature, past), cut, z_max, scaled)
+            sums = full_lse(pick(logits, past), pick(pp.temperature, past), cut, z_max, scaled)
             for r, log_sum in zip(past, sums.tolist()):
                 out[r] = log_sum
         return out
@@ -444,92 +369,13 @@ def _cuts_few(logits: torch.Tensor, pp: ProcessorParams, z: torch.Tensor, with_l
     )
 
 
-BINS_PER_NAT = 16  # histogram resolution of `_nucleus_cuts`
-BINS = 1024  # 64 nats below the row's maximum; everything further down is one bin
-
-
-def _nucleus_cuts(
-    z: torch.Tensor, z_max: torch.Tensor, top_p: torch.Tensor, log_norm: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(τ, log Z) of top-p for rows z [U, vocab] whose nucleus is large, without sorting a row.
-
-    A histogram of each row's mass over bins of z locates the bin where the cumulative mass
-    reaches top_p; every token above that bin is kept, every token below it dropped, and
-    only the tokens of that one bin are ordered (`_bin_values`) to find the exact cut. All
-    rows at once: the same ops per row as one row alone. Masses are float64 exps of z
-    relative to log_norm [U] (the row's log-mass: the cut compares the masses with top_p);
-    the kept mass is the bins above the cut's plus the cut bin's kept tokens, so log Z =
-    log_norm + log(kept mass) — Σ_{z ≥ τ} exp(z) exactly, whatever rounding log_norm
-    carries. z_max [U]: each row's largest z; top_p [U] float64."""
-    rows = z.shape[0]
-    depth = torch.sub(z_max[:, None], z).mul_(BINS_PER_NAT).long().clamp_(0, BINS - 1)
-    p = z.double().sub_(log_norm[:, None]).exp_()
-    mass = torch.zeros(rows, BINS, dtype=torch.float64, device=z.device)
-    cum = mass.scatter_add_(1, depth, p).cumsum(dim=1)
-    b = (cum < top_p[:, None]).sum(dim=1).clamp(max=BINS - 1)  # the bin where the nucleus ends
-    above = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
-    inside, count = _bin_values(z, depth == b[:, None])
-    p_in = torch.exp(inside.double() - log_norm[:, None])  # 0 past the bin's tokens
-    before = above[:, None] + p_in.cumsum(dim=1) - p_in  # mass strictly above each token
-    ranks = torch.arange(inside.shape[1], device=z.device)
-    n = ((before < top_p[:, None]) & (ranks[None, :] < count[:, None])).sum(dim=1)
-    tau = inside.gather(1, (n.clamp(min=1) - 1)[:, None]).squeeze(1)
-    kept = above + torch.where(inside >= tau[:, None], p_in, 0.0).sum(dim=1)  # ties kept too
-    return tau, log_norm + torch.log(kept)
-
-
-def _bin_values(z: torch.Tensor, in_bin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values of z [U, vocab] where `in_bin`, each row's descending and padded with −inf
-    to the largest row's count [U, C], and the counts [U]: the bin's tokens gathered and
-    sorted (by value, then stably by row), never a sort or top-k over a whole row."""
-    where = in_bin.nonzero()  # [M, 2], row-major
-    values = z[where[:, 0], where[:, 1]]
-    rows = where[:, 0]
-    order = values.sort(descending=True, stable=True).indices
-    order = order[rows[order].sort(stable=True).indices]  # by row, descending within
-    count = torch.bincount(rows, minlength=z.shape[0])
-    start = count.cumsum(dim=0) - count
-    rank = torch.arange(len(rows), device=z.device) - start[rows[order]]
-    out = torch.full((z.shape[0], int(count.max())), float("-inf"), device=z.device)
-    out[rows[order], rank] = values[order]
-    return out, count
-
-
-def _wide_rows(
-    logits: torch.Tensor, pp: ProcessorParams, log_all: torch.Tensor, z_max: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(τ, log Z) of rows [U, vocab] (top-k off) whose top-p nucleus is past the window,
-    finished together in blocks of `WIDE_BLOCK` values; log_all: each row's log-mass, z_max
-    its largest z (both from `_thresholds`). A min-p cut above top-p's sums its kept set
-    over the row."""
-    step = max(1, WIDE_BLOCK // logits.shape[1])
-    device = logits.device
-    taus, log_zs = [], []
-    for start in range(0, logits.shape[0], step):
-        rows = slice(start, start + step)
-        temperature, top_p, min_p = (
-            x[rows].to(device) for x in (pp.temperature, pp.top_p, pp.min_p)
-        )
-        z = logits[rows].float() / temperature[:, None]
-        tau, log_z = _nucleus_cuts(z, z_max[rows], top_p, log_all[rows])
-        tau_m = (z_max[rows].double() + torch.log(min_p.clamp(min=1e-300))).float()
-        raised = (min_p > 0) & (tau_m > tau)
-        if bool(raised.any()):
-            r = raised.nonzero().squeeze(1)
-            tau[r] = tau_m[r]
-            log_z[r] = _masked_lse(z[r], tau[r], z_max[rows][r])
-        taus.append(tau)
-        log_zs.append(log_z)
-    return torch.cat(taus), torch.cat(log_zs)
-
-
 def process(
     logits: torch.Tensor, pp: ProcessorParams, window: int = WINDOW, window_only: bool = False
 ) -> Processed:
     """The processed distributions of sampling rows [R, vocab] (see the module docstring).
 
     Rows whose top-p nucleus does not fit the window are finished together from a
-    histogram of their mass (`_nucleus_cuts`): a few passes over the row and a sort of one
+    histogram of their mass (`specdec.core.nucleus`): a few passes over the row and a sort of one
     bin, never of the whole vocabulary (rows with top-k as well, rare, take the whole row).
     With `window_only` (the draft: q̃ is the top window's kept part) such rows are not
     finished: the whole window is inside their nucleus, so the τ `_thresholds` found (at
@@ -550,7 +396,7 @@ def process(
     wide = [i for i in unfinished if not 0 < top_k[i] < vocab]
     if wide:
         index = row_index(wide)
-        tau[index], log_z[index] = _wide_rows(
+        tau[index], log_z[index] = wide_rows(
             logits[index], pp[index], log_k[index], top_z[index, 0]
         )
     return Processed(logits, pp.temperature.to(logits.device), tau, log_z, top_z, top_ids)

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from bench.gpu_check import compare, perturb, verdict_ok
+from bench.gpu_greedy import compare, perturb, verdict_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")

@@ -9,6 +9,8 @@ import itertools
 import pytest
 import torch
 
+from specdec.core import logsum as logsum_mod
+from specdec.core import nucleus as nucleus_mod
 from specdec.core import processed as processed_mod
 from specdec.core.params import SamplingParams
 from specdec.core.processed import ProcessorParams, process
@@ -57,7 +59,7 @@ def test_a_large_nucleus_is_cut_from_its_histogram_not_a_sort(monkeypatch):
     the 64-value window: it is finished from its histogram, the other rows are not, and the
     result is still exactly the dense reference's."""
     windows, cuts = [], []
-    real_thresholds, real_cut = processed_mod._thresholds, processed_mod._nucleus_cuts
+    real_thresholds, real_cut = processed_mod._thresholds, nucleus_mod.nucleus_cuts
     monkeypatch.setattr(
         processed_mod,
         "_thresholds",
@@ -66,7 +68,7 @@ def test_a_large_nucleus_is_cut_from_its_histogram_not_a_sort(monkeypatch):
         ),
     )
     monkeypatch.setattr(
-        processed_mod, "_nucleus_cuts", lambda z, *a: cuts.append(len(z)) or real_cut(z, *a)
+        nucleus_mod, "nucleus_cuts", lambda z, *a: cuts.append(len(z)) or real_cut(z, *a)
     )
     params = [
         SamplingParams(temperature=1.0, top_p=0.3),
@@ -133,15 +135,15 @@ def test_wide_rows_are_finished_in_blocks_as_one_at_a_time(monkeypatch):
     its distribution is the dense reference's (min-p raising the cut on some rows).
     Negative control: a cut one token lower fails the same kept-set check."""
     vocab = 3000
-    monkeypatch.setattr(processed_mod, "WIDE_BLOCK", 2 * vocab)  # blocks of 2 rows
+    monkeypatch.setattr(nucleus_mod, "WIDE_BLOCK", 2 * vocab)  # blocks of 2 rows
     params = [
         SamplingParams(temperature=t, top_p=p, min_p=m)
         for t, p, m in itertools.product((0.3, 1.0), (0.5, 0.95), (0.0, 0.2))
     ]
     logits = logits_of("flat", len(params), vocab, seed=7)
-    cuts, real_cut = [], processed_mod._nucleus_cuts
+    cuts, real_cut = [], nucleus_mod.nucleus_cuts
     monkeypatch.setattr(
-        processed_mod, "_nucleus_cuts", lambda z, *a: cuts.append(len(z)) or real_cut(z, *a)
+        nucleus_mod, "nucleus_cuts", lambda z, *a: cuts.append(len(z)) or real_cut(z, *a)
     )
     together = process(logits, ProcessorParams.of(params))
     assert cuts == [2, 2, 2, 2]  # every row's nucleus is past the window: blocks of 2 rows
@@ -164,27 +166,27 @@ def test_wide_rows_are_finished_in_blocks_as_one_at_a_time(monkeypatch):
 
 @pytest.mark.parametrize("scaled", [False, True])
 def test_whole_row_normalisers_in_blocks_equal_each_row_alone(monkeypatch, scaled):
-    """`_full_lse` takes the rows a block at a time (`WIDE_BLOCK` values) on a CPU: every row's
+    """`full_lse` takes the rows a block at a time (`WIDE_BLOCK` values) on a CPU: every row's
     log-mass is bit for bit what it gets alone, and the float64 logsumexp of its kept z
     within the documented rounding. Rows with a threshold and rows without share a call (the
     threshold then applies per row; `scaled` only where no row has one)."""
     vocab = 3000
-    monkeypatch.setattr(processed_mod, "WIDE_BLOCK", 2 * vocab)  # blocks of 2 rows
-    blocks, real_block = [], processed_mod._row_lse
+    monkeypatch.setattr(logsum_mod, "WIDE_BLOCK", 2 * vocab)  # blocks of 2 rows
+    blocks, real_block = [], logsum_mod.row_lse
     monkeypatch.setattr(
-        processed_mod, "_row_lse", lambda x, *a: blocks.append(len(x)) or real_block(x, *a)
+        logsum_mod, "row_lse", lambda x, *a: blocks.append(len(x)) or real_block(x, *a)
     )
     logits = logits_of("peaked", 7, vocab, seed=11)
     temperature = torch.tensor([0.3, 0.7, 1.0, 1.3, 0.9, 1.6, 0.5])
     z = logits / temperature[:, None]
     z_max = z.amax(dim=1)
     tau = None if scaled else torch.tensor([float("-inf"), 1.0, 0.5, -1.0, 2.0, 0.0, 3.0])
-    together = processed_mod._full_lse(logits, temperature, tau, z_max, scaled=scaled)
+    together = logsum_mod.full_lse(logits, temperature, tau, z_max, scaled=scaled)
     assert blocks == [2, 2, 2, 1]
     for row in range(len(logits)):
         t = None if tau is None else tau[row : row + 1]
         one = (logits[row : row + 1], temperature[row : row + 1], t, z_max[row : row + 1])
-        assert float(processed_mod._full_lse(*one, scaled=scaled)[0]) == float(together[row])
+        assert float(logsum_mod.full_lse(*one, scaled=scaled)[0]) == float(together[row])
         kept = z[row].double() if tau is None else z[row][z[row] >= tau[row]].double()
         assert float(together[row]) == pytest.approx(
             float(torch.logsumexp(kept, dim=0)), rel=0, abs=1e-6 if scaled else 3e-7
@@ -222,7 +224,7 @@ def test_the_draft_step_makes_no_whole_row_pass_for_temperature_alone(monkeypatc
     logits = logits_of("peaked", rows, 20_000, seed=5)
     params = [SamplingParams(temperature=0.9)] * rows
     args = (logits, params, seed_tensor(range(rows)), torch.arange(rows) + 3, 32, [False] * rows)
-    real_thresholds, real_full = processed_mod._thresholds, processed_mod._full_lse
+    real_thresholds, real_full = processed_mod._thresholds, processed_mod.full_lse
     monkeypatch.setattr(  # the step as it was: log Z computed, then dropped
         processed_mod, "_thresholds", lambda *a, with_log_z=True: real_thresholds(*a, True)
     )
@@ -232,7 +234,7 @@ def test_the_draft_step_makes_no_whole_row_pass_for_temperature_alone(monkeypatc
     passes = []
     monkeypatch.setattr(
         processed_mod,
-        "_full_lse",
+        "full_lse",
         lambda x, *a, **kw: passes.append(len(x)) or real_full(x, *a, **kw),
     )
     step = propose_step(*args)

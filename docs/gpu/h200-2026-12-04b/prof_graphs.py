@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from bench.gpu_check import hot_path, math_inputs
+from bench.gpu_math import hot_path, math_inputs
 from specdec.core.graphs import SamplingGraphs
 from specdec.core.processed import ProcessorParams
 from specdec.core.verify import DraftBlock
