@@ -28,20 +28,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from bench.chaos_faults import Injector, Link
+from bench.chaos_report import compare, explain_greedy, markdown, passed, tpot_ms
 from specdec.client import build_request
 from specdec.launcher.stack import Child, Stack, StackSettings
 from specdec.serving.redis_embedded import free_port
@@ -75,57 +73,6 @@ PROMPTS = (
     'def read(path):\n    """Read a file."""\n',
     "try:\n    import json\nexcept ImportError:",
 )
-
-
-# --- the namespaced link ------------------------------------------------------------------
-
-
-class Link:
-    """A network namespace joined to the host by a veth pair: host 10.77.<n>.1, inside .2."""
-
-    def __init__(self, name: str = "specdec-chaos", subnet: int = 77):
-        self.name = name
-        self.host_if, self.ns_if = f"sdc{subnet}a", f"sdc{subnet}b"
-        self.host_ip, self.ns_ip = f"10.{subnet}.0.1", f"10.{subnet}.0.2"
-
-    def _ip(self, *args: str, ns: bool = False) -> None:
-        prefix = ["ip", "netns", "exec", self.name] if ns else []
-        subprocess.run([*prefix, *args], check=True, capture_output=True, timeout=10)
-
-    def up(self) -> Link:
-        self.down()  # a leftover of an interrupted run
-        self._ip("ip", "netns", "add", self.name)
-        self._ip("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
-        self._ip("ip", "link", "set", self.ns_if, "netns", self.name)
-        self._ip("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
-        self._ip("ip", "link", "set", self.host_if, "up")
-        self._ip("ip", "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_if, ns=True)
-        self._ip("ip", "link", "set", self.ns_if, "up", ns=True)
-        self._ip("ip", "link", "set", "lo", "up", ns=True)
-        return self
-
-    def down(self) -> None:
-        for cmd in (["ip", "link", "del", self.host_if], ["ip", "netns", "del", self.name]):
-            subprocess.run(cmd, capture_output=True, timeout=10)
-
-    def slow(self) -> None:
-        """A congested link both ways: 2 Mbit/s token buckets whose queues delay packets."""
-        for ns, dev in ((False, self.host_if), (True, self.ns_if)):
-            self._ip(
-                "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", "2mbit", "burst",
-                "8kb", "latency", "200ms", ns=ns,
-            )  # fmt: skip
-
-    def fast(self) -> None:
-        for ns, dev in ((False, self.host_if), (True, self.ns_if)):
-            with contextlib.suppress(subprocess.CalledProcessError):
-                self._ip("tc", "qdisc", "del", "dev", dev, "root", ns=ns)
-
-    def cut(self, on: bool) -> None:
-        self._ip("ip", "link", "set", self.host_if, "down" if on else "up")
-
-    def exec_prefix(self) -> list[str]:
-        return ["ip", "netns", "exec", self.name]
 
 
 # --- the stack ----------------------------------------------------------------------------
@@ -289,241 +236,6 @@ async def run_all(
     return dict(results), errors
 
 
-# --- faults -------------------------------------------------------------------------------
-
-
-class Injector(threading.Thread):
-    """One bounded fault at a time, chosen by a seeded generator, each undone before the next."""
-
-    def __init__(self, stack: ChaosStack, seed: int, kinds: list[str], gap_s: float):
-        super().__init__(daemon=True)
-        self.stack, self.rng, self.kinds, self.gap_s = stack, random.Random(seed), kinds, gap_s
-        self.done = threading.Event()
-        self.injected: collections.Counter = collections.Counter()
-        self.log: list[str] = []
-        self.failure = ""
-
-    def _pick(self, prefix: str) -> str:
-        names = [c.name for c in self.stack.children if c.name.startswith(prefix) and c.alive()]
-        return self.rng.choice(sorted(names))
-
-    def _sleep(self, s: float) -> None:
-        self.done.wait(s)
-
-    def inject(self, kind: str) -> None:
-        stack = self.stack
-        tier = {"draft": "draft-worker", "target": "target-worker", "coordinator": "coordinator"}
-        action, _, what = kind.partition("_")
-        if action in ("kill", "stop"):
-            name = self._pick(tier[what])
-            child = stack.child(name)
-            if action == "kill":
-                child.signal(signal.SIGKILL)
-                child.process.wait(10)
-                self._sleep(self.rng.uniform(0.5, 1.5))
-                stack.restart(name)
-                stack._wait([stack.child(name)], 120)
-            else:
-                child.signal(signal.SIGSTOP)
-                self._sleep(self.rng.uniform(1.0, 3.0))
-                child.signal(signal.SIGCONT)
-            self.log.append(f"{kind} {name}")
-        elif kind == "redis_restart":
-            stack.redis.process.send_signal(signal.SIGTERM)  # syncs the append-only file
-            stack.redis.process.wait(10)
-            self._sleep(self.rng.uniform(0.3, 1.0))
-            stack.redis.restart()
-            self.log.append(kind)
-        elif kind == "redis_pause":
-            stack.redis.process.send_signal(signal.SIGSTOP)
-            self._sleep(self.rng.uniform(1.0, 2.5))
-            stack.redis.process.send_signal(signal.SIGCONT)
-            self.log.append(kind)
-        elif kind == "link_slow":
-            stack.link.slow()
-            self._sleep(self.rng.uniform(2.0, 4.0))
-            stack.link.fast()
-            self.log.append(kind)
-        elif kind == "link_cut":
-            stack.link.cut(True)
-            self._sleep(self.rng.uniform(2.0, 4.0))
-            stack.link.cut(False)
-            self.log.append(kind)
-        self.injected[kind] += 1
-
-    def run(self) -> None:
-        try:
-            queue = list(self.kinds)
-            while not self.done.is_set():
-                self._sleep(self.rng.uniform(0.5, 1.0) * self.gap_s)
-                if self.done.is_set():
-                    return
-                if not queue:
-                    return
-                self.inject(queue.pop(0))
-        except Exception as exc:  # noqa: BLE001 - reported, the run then fails
-            self.failure = f"{type(exc).__name__}: {exc}"
-
-
-# --- the report ---------------------------------------------------------------------------
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def compare(refs: list[dict[int, Outcome]], waves: list[dict[int, Outcome]], reqs) -> dict:
-    """Each wave's sessions against the fault-free runs.
-
-    Lost and repeated tokens are counted from what the streams carried: chunk offsets that
-    skipped or overlapped what the client had, and sessions that ended short of their length.
-    A session that is whole but *differs* from both fault-free runs diverged: for a greedy
-    one that is a failure; a sampled one can also diverge without any fault, when batching
-    flips the last bits of a logit at a near-tie (a documented limit of lossless), so its
-    count is compared with how often the fault-free runs diverge from each other."""
-    exact = short = unfinished = overlaps = gaps = 0
-    diverged = {"greedy": 0, "sampled": 0}
-    mismatches = []
-    for wave, got in enumerate(waves):
-        for i in refs[0]:
-            g, req = got[i], reqs[i]
-            overlaps += g.repeated
-            gaps += g.gaps
-            if not g.finished:
-                unfinished += 1
-                why = g.finish_reason or g.error
-                mismatches.append({"wave": wave, "request": i, "unfinished": why})
-                continue
-            short += max(0, req.max_new_tokens - len(g.tokens))
-            if any(g.tokens == ref[i].tokens for ref in refs):
-                exact += 1
-                continue
-            diverged["greedy" if req.temperature == 0 else "sampled"] += 1
-            closest = max((ref[i].tokens for ref in refs), key=lambda t: common_prefix(t, g.tokens))
-            at = common_prefix(closest, g.tokens)
-            mismatches.append(
-                {
-                    "wave": wave,
-                    "request": i,
-                    "temperature": req.temperature,
-                    "at": at,
-                    "target_only_rounds": g.target_only_rounds,
-                    "resumes": g.resumes,
-                    "prefix": closest[:at],
-                    "tokens": [closest[at], g.tokens[at]] if at < len(g.tokens) else [],
-                }
-            )
-    sessions = len(refs[0]) * len(waves)
-    return {
-        "sessions": sessions,
-        "finished": sessions - unfinished,
-        "exact": exact,
-        "tokens_lost": gaps + short,
-        "tokens_repeated": overlaps,
-        "diverged": diverged,
-        "mismatches": mismatches[:200],
-    }
-
-
-# A greedy divergence is a float near-tie when the two tokens are the target's top two with a
-# logit gap below this (float32 prefill-vs-step and batch differences are ~1e-5 here); a wrong
-# token from a bug would not be the runner-up at such a margin.
-NEAR_TIE = 1e-3
-
-
-def explain_greedy(model_dir: str, reqs: list[Request], mismatches: list[dict]) -> list[dict]:
-    """For each greedy divergence: the target's own top-two logit gap at that position (Hugging
-    Face, batch 1, float32, the whole prefix at once) and whether the two tokens are those two."""
-    greedy = [m for m in mismatches if m.get("temperature") == 0.0 and m.get("tokens")]
-    if not greedy:
-        return []
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    found = []
-    with torch.no_grad():
-        for m in greedy:
-            ids = reqs[m["request"]].prompt_ids + m["prefix"]
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            top = torch.topk(logits, 2)
-            gap = float(top.values[0] - top.values[1])
-            found.append(
-                {
-                    "request": m["request"],
-                    "wave": m["wave"],
-                    "at": m["at"],
-                    "logit_gap": gap,
-                    "top_two": sorted(top.indices.tolist()) == sorted(m["tokens"]),
-                    "near_tie": gap < NEAR_TIE
-                    and sorted(top.indices.tolist()) == sorted(m["tokens"]),
-                }
-            )
-    return found
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
-def tpot_ms(outcomes: list[Outcome]) -> dict:
-    values = [t for o in outcomes if (t := o.tpot()) is not None]
-    return {"p50": 1000 * percentile(values, 0.5), "p99": 1000 * percentile(values, 0.99)}
-
-
-def ties(part: dict) -> str:
-    found = part.get("greedy_divergences", [])
-    gaps = ", ".join(f"{d['logit_gap']:.1e}" for d in found)
-    return f"{sum(d['near_tie'] for d in found)}" + (f"; gaps {gaps}" if gaps else "")
-
-
-def markdown(report: dict) -> str:
-    r = report
-    lines = [
-        f"- Command: `{r['command']}` ({r['seconds']:.0f} s in all)",
-        f"- Stack: redis-server (append-only file), {r['stack']}; models `{r['models']}`; "
-        f"every worker 1 thread",
-        f"- Requests: {r['sessions']} sessions ({r['concurrency']} at a time; under faults "
-        f"{r['waves']} passes over them with new session ids while the faults lasted), "
-        f"{r['max_new_tokens']} new tokens each, half greedy and half seeded sampling "
-        f"(T 0.8), γ 2–4 fixed per session",
-        "",
-        "| | fault-free (2nd pass against the 1st) | under faults (against either) |",
-        "|---|---:|---:|",
-        f"| sessions finished | {r['reference']['finished']} / {r['reference']['sessions']} "
-        f"| {r['chaos']['finished']} / {r['chaos']['sessions']} |",
-        f"| tokens lost (skipped offsets, short sessions) | {r['reference']['tokens_lost']} "
-        f"| {r['chaos']['tokens_lost']} |",
-        f"| tokens repeated (overlapping offsets) | {r['reference']['tokens_repeated']} "
-        f"| {r['chaos']['tokens_repeated']} |",
-        f"| sessions equal to a fault-free run | {r['reference']['exact']} "
-        f"| {r['chaos']['exact']} |",
-        f"| greedy sessions that diverged (of them at a near-tie: top-two logit gap "
-        f"< {NEAR_TIE:g}) | {r['reference']['diverged']['greedy']} ({ties(r['reference'])}) "
-        f"| {r['chaos']['diverged']['greedy']} ({ties(r['chaos'])}) |",
-        f"| sampled sessions that diverged (bound under faults: "
-        f"{divergence_bound(r):.1f}) | {r['reference']['diverged']['sampled']} "
-        f"| {r['chaos']['diverged']['sampled']} |",
-        f"| resumes | {r['reference']['resumes']} | {r['chaos']['resumes']} |",
-        f"| errors seen by clients (status: count) | {r['reference']['errors'] or '—'} "
-        f"| {r['chaos']['errors'] or '—'} |",
-        f"| time per output token p50 / p99, ms | {r['reference']['tpot_ms']['p50']:.1f} / "
-        f"{r['reference']['tpot_ms']['p99']:.1f} | {r['chaos']['tpot_ms']['p50']:.1f} / "
-        f"{r['chaos']['tpot_ms']['p99']:.1f} |",
-        "",
-        "Faults injected: "
-        + ", ".join(f"{k} × {v}" for k, v in sorted(r["faults"].items()))
-        + f" ({sum(r['faults'].values())} of {r['faults_planned']} planned).",
-    ]
-    return "\n".join(lines)
-
-
 def run(args, link: Link | None = None) -> dict:
     """The whole benchmark (root only); `link` defaults to the namespace specdec-chaos."""
     t0 = time.monotonic()
@@ -645,31 +357,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.argv = argv
     return args
-
-
-def divergence_bound(report: dict) -> float:
-    """How many sampled sessions may diverge under faults: three times the fault-free
-    runs' own rate (they diverge from each other by batching alone; estimated as
-    (d + 1) / (n + 1), so a short run's zero is not taken for certain), plus three."""
-    ref, chaos = report["reference"], report["chaos"]
-    rate = (ref["diverged"]["sampled"] + 1) / (ref["sessions"] + 1)
-    return 3 * rate * chaos["sessions"] + 3
-
-
-def passed(report: dict) -> bool:
-    """Every session finished whole (no token lost or repeated), a greedy session diverged
-    only at a float near-tie of the target's own logits, sampled ones no more often than
-    batching alone explains, and every planned fault ran."""
-    chaos = report["chaos"]
-    return (
-        chaos["finished"] == chaos["sessions"]
-        and chaos["tokens_lost"] == chaos["tokens_repeated"] == 0
-        and len(chaos.get("greedy_divergences", [])) == chaos["diverged"]["greedy"]
-        and all(d["near_tie"] for d in chaos.get("greedy_divergences", []))
-        and chaos["diverged"]["sampled"] <= divergence_bound(report)
-        and report["faults_planned"] == sum(report["faults"].values())
-        and not report["injector_failure"]
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

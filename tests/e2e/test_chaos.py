@@ -9,7 +9,9 @@ import os
 
 import pytest
 
-from bench.chaos import FAULTS, Link, Outcome, Request, compare, markdown, parse, passed, run
+from bench.chaos import FAULTS, Outcome, Request, parse, run
+from bench.chaos_faults import Link
+from bench.chaos_report import compare, markdown, passed
 
 pytestmark = pytest.mark.slow
 

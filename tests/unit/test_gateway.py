@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.gateway import api_error
+from coordinator.openai_api import api_error
 from specdec import errors
 
 
