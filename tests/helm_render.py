@@ -11,16 +11,9 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-
-
 CHART_DIR = REPO / "deploy" / "helm" / "specdec"
-
-
 RELEASE = "rel"
-
-
 NAMESPACE = "serving"
-
 
 TIERS = {
     # component: (values key, gRPC port, metrics port, subcommand)
@@ -28,8 +21,6 @@ TIERS = {
     "draft-worker": ("draftWorker", 50061, 9091, "draft-worker"),
     "target-worker": ("targetWorker", 50071, 9092, "target-worker"),
 }
-
-
 GPU = "nvidia.com/gpu"
 
 
@@ -126,11 +117,7 @@ OUTSIDERS = (
 
 
 OUTSIDER_NAMES = {o.name for o in OUTSIDERS}
-
-
 API_PORTS = (443, 6443)
-
-
 # apiServerEgress [] (the default): the coordinator may reach any address on the API ports.
 ANY_API_SERVER = {(o.name, p) for o in OUTSIDERS for p, _ in o.ports if p in API_PORTS}
 
