@@ -192,7 +192,7 @@ def resolve_pair(pair: str, target: str = "", draft: str = "") -> dict:
     """{name, target, draft, prompts ('chat' | 'code'), note}: SmolLM2 (converted in the
     catalog's cache) with its committed draft, else the code pair under models/."""
     from specdec.catalog import SMOLLM2, cache_root, cached_dir, is_ready
-    from specdec.launcher.cli import DEFAULT_DRAFT, demo_model, has_chat_template
+    from specdec.launcher.models import DEFAULT_DRAFT, demo_model, has_chat_template
 
     if target:
         draft = draft or demo_model("draft")
@@ -234,7 +234,7 @@ def cmd_pair(args) -> int:
 
 def prompts_for(pair: dict, tokenizer, count: int) -> list[list[int]]:
     if pair["prompts"] == "chat":
-        from bench.run import chat_prompts
+        from bench.contenders import chat_prompts
 
         return chat_prompts(tokenizer, pair["draft"], count)[0]
     texts = (CODE_PROMPTS * (1 + count // len(CODE_PROMPTS)))[:count]

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from bench.contenders import PAIRS
 from bench.inproc import load
-from bench.run import PAIRS, subprocess_job
+from bench.measure import subprocess_job
 
 KERNELS = ("default", "packed")
 BATCHES = (4, 16)

@@ -178,8 +178,8 @@ def pair_prompts(model_dir: str, count: int, prompt_len: int) -> list[list[int]]
     model of no pair."""
     from transformers import AutoTokenizer
 
+    from bench.contenders import PAIRS, chat_prompts
     from bench.prompts import heldout_prompts
-    from bench.run import PAIRS, chat_prompts
     from specdec.catalog import CATALOG, cached_dir
 
     for target, draft, source in PAIRS.values():

@@ -34,40 +34,18 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench import metrics
+from bench.contenders import MODES, PAIRS, SPECDEC, chat_prompts
 from bench.interference import CpuWatch
+from bench.measure import in_process, run_stack, subprocess_job
 from bench.prompts import heldout_prompts
-from bench.serving import BenchStack
+from bench.rows import greedy_check, make_row, other_cpu, progress_line, strip
 from specdec.serving.settings import add_flags
 from specdec.worker.settings import WorkerSettings
-
-MODES = (
-    {"name": "greedy", "temperature": 0.0, "top_p": 1.0},
-    {"name": "sampling", "temperature": 0.8, "top_p": 0.95},
-)
-SPECDEC = (("specdec_off", 0), ("specdec_g2", 2), ("specdec_g4", 4), ("specdec_g6", 6))
-SPECDEC += (("specdec_adaptive", None),)
-# name: (target, draft, prompts): prompts are held-out chat questions (a JSON list the draft's
-# training wrote) or a list of held-out standard-library files.
-PAIRS = {
-    "smollm2": ("smollm2-135m-instruct", "models/smollm2-draft", "chat"),
-    "code": ("models/target", "models/draft", "models/heldout_files.txt"),
-}
-LABELS = {
-    "hf_target": "HF generate, target only",
-    "hf_assisted": "HF assisted generation",
-    "specdec_off": "specdec, speculation off",
-    "specdec_g2": "specdec, γ=2",
-    "specdec_g4": "specdec, γ=4",
-    "specdec_g6": "specdec, γ=6",
-    "specdec_adaptive": "specdec, adaptive γ",
-}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -114,174 +92,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.threads < 2:
         parser.error("--threads must be >= 2 (one for the draft worker, the rest for the target)")
     return args
-
-
-def subprocess_job(job: dict, timeout_s: float) -> dict:
-    """Run a bench.inproc job in a fresh interpreter with its own thread count."""
-    with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
-        job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
-        with open(job_path, "w") as f:
-            json.dump(job, f)
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(job["threads"]),
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-        subprocess.run(
-            [sys.executable, "-m", "bench.inproc", job_path, result_path],
-            check=True,
-            timeout=timeout_s,
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
-        with open(result_path) as f:
-            return json.load(f)
-
-
-def in_process(args, context: list[int], job: str, **extra) -> dict:
-    """One `bench.inproc` job on the pair (1 thread, the workers' linear kernels, γ up to 8),
-    with the share of the CPU other processes took meanwhile."""
-    watch = CpuWatch()
-    result = subprocess_job(
-        {
-            "job": job,
-            "threads": 1,
-            "target_model": args.target_model,
-            "draft_model": args.draft_model,
-            "context": context,
-            "max_gamma": 8,
-            "linear_kernel": args.linear_kernel,
-            **extra,
-        },
-        timeout_s=args.timeout_s,
-    )
-    result["other_cpu"] = watch.others()
-    return result
-
-
-def progress_line(i: int, total: int, row: dict, seconds: float) -> str:
-    acc = row.get("acceptance_rate")
-    return (
-        f"[{i:>2}/{total}] {LABELS[row['contender']]:<26} {row['mode']:<8} conc {row['concurrency']:>2}  "
-        f"{row['tokens_per_s']:7.1f} tok/s  {row['tokens_per_s_per_request']:6.1f}/req  "
-        f"TPOT p50 {row['tpot_ms_p50']:6.1f} ms  TTFT p50 {row['ttft_ms_p50']:7.1f} ms  "
-        f"accept {'  n/a' if acc is None else f'{acc:.2f}'}  ({seconds:.0f} s, "
-        f"other processes {other_cpu(row)})"
-    )
-
-
-def other_cpu(row: dict) -> str:
-    share = row.get("other_cpu")
-    text = "n/a" if share is None else f"{100 * share:.0f}% CPU"
-    return text + (f", {row['repeats']} repeated" if row.get("repeats") else "")
-
-
-def strip(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "token_ids"} for r in records]
-
-
-def greedy_check(reference: list[dict], records: list[dict]) -> dict:
-    """How many greedy outputs equal HF's target-only greedy output, token for token."""
-    first_diff = []
-    for ref, rec in zip(reference, records):
-        a, b = ref["token_ids"], rec["token_ids"]
-        diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if diff is None and len(a) != len(b):
-            diff = min(len(a), len(b))
-        first_diff.append(diff)
-    return {
-        "identical": sum(d is None for d in first_diff),
-        "requests": len(first_diff),
-        "first_difference": first_diff,
-    }
-
-
-def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
-    """Every specdec contender through the whole stack; then the direct round breakdown."""
-    from bench.breakdown import breakdown
-
-    warmups = [(mode, gamma) for _name, gamma in SPECDEC for mode in MODES]
-    bench_stack = BenchStack(args, prompts, log, warmups)
-    try:
-        bench_stack.start()
-        for mode in MODES:
-            for concurrency in args.concurrency:
-                for name, gamma in SPECDEC:
-                    started, best = time.monotonic(), None
-                    for attempt in range(1 + args.retries):  # repeat disturbed measurements
-                        watch, repeats = CpuWatch(), attempt
-                        run = bench_stack.measure(mode, gamma, concurrency)
-                        share = watch.others() or 0.0
-                        if best is None or share < best[1]:
-                            best = (run, share)
-                        if share <= args.max_other_cpu:
-                            break
-                        log(f"  disturbed (other processes {100 * share:.0f}% CPU); again")
-                    run, share = best
-                    row = make_row(name, mode["name"], concurrency, run["requests"], run["wall_s"])
-                    row["other_cpu"], row["repeats"] = share, repeats
-                    row["acceptance"] = metrics.acceptance(run["requests"])
-                    row.update(
-                        {
-                            k: row["acceptance"][k]
-                            for k in ("acceptance_rate", "mean_acceptance_length")
-                        }
-                    )
-                    rows.append(row)
-                    raw.append({**key(row), "wall_s": run["wall_s"], "requests": run["requests"]})
-                    log(progress_line(len(rows), total, row, time.monotonic() - started))
-        log("round breakdown: the stack's workers driven directly (greedy, one session)")
-        stack = bench_stack.stack
-        rounds = breakdown(
-            stack.draft_addresses[0],
-            stack.target_addresses[0],
-            prompts[0],
-            [0, 2, 4, 6],
-            args.max_new_tokens,
-            costs,
-        )
-        for r in rounds:
-            log(
-                f"  γ={r['gamma']}: round {r['round_ms']:.1f} ms = draft forward "
-                f"{r['draft_forward_ms']:.1f} + draft RPC {r['draft_rpc_ms']:.1f} + target forward "
-                f"{r['target_forward_ms']:.1f} + verify RPC {r['target_rpc_ms']:.1f}"
-            )
-        return rounds
-    finally:
-        bench_stack.stop()
-
-
-def key(row: dict) -> dict:
-    return {k: row[k] for k in ("contender", "mode", "concurrency")}
-
-
-def make_row(
-    contender: str, mode: str, concurrency: int, records: list[dict], wall_s: float
-) -> dict:
-    return {
-        "contender": contender,
-        "label": LABELS[contender],
-        "mode": mode,
-        "concurrency": concurrency,
-        "service": "sequential (batch size 1)" if contender.startswith("hf_") else "concurrent",
-        **metrics.timing(records, wall_s),
-    }
-
-
-def chat_prompts(tokenizer, draft_model: str, count: int) -> tuple[list[list[int]], dict]:
-    """Held-out chat questions (never in the draft's training data) rendered with the target's
-    chat template, as token ids."""
-    path = Path(draft_model) / "heldout_prompts.json"
-    questions = json.loads(path.read_text())[:count]
-    prompts = [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-            )["input_ids"]
-        )
-        for q in questions
-    ]
-    return prompts, {"source": str(path), "questions": questions, "chat_template": True}
 
 
 def main(argv: list[str] | None = None) -> int:
