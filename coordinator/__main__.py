@@ -18,6 +18,7 @@ from specdec.serving.registry import RedisConfigError, check_redis_url, redact, 
 from specdec.serving.security import SecurityConfigError
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
 from specdec.serving.settings import add_flags, from_args
+from specdec.serving.trace_export import TracingConfigError, trace_exporters
 from specdec.text.tokenizer import load_tokenizer
 
 __all__ = ["CoordinatorSettings", "main", "main_async"]
@@ -115,12 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_security(settings)
         check_discovery(settings)
-        telemetry.trace_exporters()
+        trace_exporters()
         check_redis_url(settings.redis_url)
     except (
         SecurityConfigError,
         DiscoveryConfigError,
-        telemetry.TracingConfigError,
+        TracingConfigError,
         RedisConfigError,
     ) as exc:
         parser.error(str(exc))

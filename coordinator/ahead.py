@@ -20,7 +20,7 @@ from specdec.serving.telemetry import span
 from specdec.v1 import draft_pb2
 
 if TYPE_CHECKING:
-    from coordinator.run import RoundOutcome
+    from coordinator.round_outcome import RoundOutcome
 
 log = logging.getLogger(__name__)
 

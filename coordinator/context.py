@@ -6,14 +6,14 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from coordinator.policy import CostModel
+from coordinator.cost_model import CostModel
 from coordinator.pool import WorkerPool
 from coordinator.settings import CoordinatorSettings
 from coordinator.shedding import LoadShedder
 from coordinator.store import SessionStore
 
 if TYPE_CHECKING:
-    from specdec.serving.telemetry import CoordinatorMetrics
+    from specdec.serving.metrics import CoordinatorMetrics
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import time
 import uuid
 
 from coordinator.context import RunContext
+from coordinator.cost_model import CostModel
 from coordinator.discovery import build_discovery
-from coordinator.policy import CostModel
 from coordinator.pool import WorkerPool
 from coordinator.sessions import Sessions
 from coordinator.settings import CoordinatorSettings
@@ -18,7 +18,7 @@ from coordinator.shedding import LoadShedder
 from coordinator.store import SessionStore
 from specdec.core.params import SamplingParams
 from specdec.errors import Exhausted, NotFound
-from specdec.serving import telemetry
+from specdec.serving.metrics import CoordinatorMetrics
 from specdec.serving.rpc import rpc
 from specdec.serving.wire import check_session_id, merge_chunk, sampling_to_proto, stats_to_proto
 from specdec.text.detok import FinishReason
@@ -69,9 +69,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
 
         metrics = (
-            telemetry.CoordinatorMetrics(lambda: len(self.sessions))
-            if settings.metrics_port > 0
-            else None
+            CoordinatorMetrics(lambda: len(self.sessions)) if settings.metrics_port > 0 else None
         )
         self.ctx = RunContext(
             settings=settings,

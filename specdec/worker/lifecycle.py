@@ -11,10 +11,12 @@ from google.protobuf.json_format import MessageToDict
 
 from specdec.engine.kv import KVSession
 from specdec.serving import telemetry
+from specdec.serving.metrics import WorkerMetrics
 from specdec.serving.registry import RedisConfigError, Registration, check_redis_url
 from specdec.serving.security import SecurityConfigError
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
 from specdec.serving.settings import add_flags, from_args
+from specdec.serving.trace_export import TracingConfigError, trace_exporters
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ async def serve_worker(settings, role: str, service, service_name: str, warmup) 
     """
     telemetry.setup(f"specdec-{role}-worker", settings.metrics_port, settings.host)
     if settings.metrics_port > 0:
-        service.metrics = telemetry.WorkerMetrics(
+        service.metrics = WorkerMetrics(
             role,
             lambda: len(service.table),
             lambda: service.table.kv_bytes,
@@ -100,9 +102,9 @@ def worker_main(
     settings = from_args(settings_cls, parser.parse_args(argv))
     try:
         settings.validate_tls()
-        telemetry.trace_exporters()
+        trace_exporters()
         check_redis_url(settings.redis_url)
-    except (SecurityConfigError, telemetry.TracingConfigError, RedisConfigError) as exc:
+    except (SecurityConfigError, TracingConfigError, RedisConfigError) as exc:
         parser.error(str(exc))
     if settings.tls_ca and not settings.tls_cert:
         parser.error("--tls-ca (mTLS) needs the worker's own --tls-cert and --tls-key")

@@ -21,7 +21,7 @@ class WorkerService:
     """
 
     role = ""
-    metrics = None  # specdec.serving.telemetry.WorkerMetrics, set by serve_worker
+    metrics = None  # specdec.serving.metrics.WorkerMetrics, set by serve_worker
 
     def __init__(self, model, settings, table: SessionTable, batcher: Batcher, address: str):
         self.model = model

@@ -1,10 +1,17 @@
-"""In-process gRPC workers on 127.0.0.1:0, served from an event loop in a background thread."""
+"""In-process gRPC workers on 127.0.0.1:0, served from an event loop in a background thread;
+a real Redis for the session store's tests (test_store*.py; test_redis_topologies.py brings
+its own)."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
+import redis
 from inproc_workers import Worker, start_draft, start_target
 from loop_thread import LoopThread
+
+from specdec.serving.redis_embedded import EmbeddedRedis
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +51,21 @@ def start_worker(loop_thread):
     yield start
     for worker in reversed(started):
         worker.stop()
+
+
+@pytest.fixture(scope="module")
+def url():
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def db(url):
+    client = redis.Redis.from_url(url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def sid() -> str:
+    return f"test-{uuid.uuid4().hex}"

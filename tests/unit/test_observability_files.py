@@ -27,7 +27,7 @@ from observability_exprs import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-TELEMETRY = REPO / "specdec" / "serving" / "telemetry.py"
+METRICS = REPO / "specdec" / "serving" / "metrics.py"
 ALERTS = OBSERVABILITY / "alerts.yaml"
 ALERTS_TEST = OBSERVABILITY / "alerts_test.yaml"
 
@@ -83,8 +83,8 @@ PROMQL_WORDS |= {"and", "or", "unless"}
 
 
 def exported_series() -> set[str]:
-    """The Prometheus series names of every instrument telemetry.py creates."""
-    text = TELEMETRY.read_text()
+    """The Prometheus series names of every instrument metrics.py creates."""
+    text = METRICS.read_text()
     created = re.findall(r'create_(\w+)\(\s*"(specdec_\w+)"', text)
     assert {name for _, name in created} == set(re.findall(r'"(specdec_\w+)"', text)), (
         "an instrument is created in a way this test does not read"

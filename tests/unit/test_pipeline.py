@@ -8,9 +8,11 @@ import grpc
 import pytest
 
 from coordinator.ahead import Ahead, after_guess, block_ahead_holds
+from coordinator.cost_model import RoundTiming
 from coordinator.links import BadAnswer
-from coordinator.policy import AdaptiveGamma, RoundTiming
-from coordinator.run import RoundOutcome, SessionRun
+from coordinator.policy import AdaptiveGamma
+from coordinator.round_outcome import RoundOutcome
+from coordinator.run import SessionRun
 from specdec.core.perf_model import expected_tokens, speedup_draft_ahead, speedup_sync
 from specdec.text.detok import StreamStep
 from specdec.v1 import common_pb2, draft_pb2

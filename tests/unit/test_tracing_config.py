@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from specdec.serving import telemetry
+from specdec.serving import telemetry, trace_export
 
 OTEL_VARS = (
     "OTEL_SDK_DISABLED",
@@ -46,7 +46,7 @@ def env(monkeypatch):
 def test_exporters_follow_the_standard_variables(env, variables, exporters):
     for name, value in variables.items():
         env.setenv(name, value)
-    assert telemetry.trace_exporters() == exporters
+    assert trace_export.trace_exporters() == exporters
 
 
 @pytest.mark.parametrize(
@@ -65,8 +65,8 @@ def test_exporters_follow_the_standard_variables(env, variables, exporters):
 def test_what_cannot_be_done_is_refused_by_name(env, variables, names):
     for name, value in variables.items():
         env.setenv(name, value)
-    with pytest.raises(telemetry.TracingConfigError, match=names):
-        telemetry.trace_exporters()
+    with pytest.raises(trace_export.TracingConfigError, match=names):
+        trace_export.trace_exporters()
 
 
 def test_a_worker_refuses_to_start_with_an_unusable_exporter(env):

@@ -1,0 +1,151 @@
+"""The timing estimates the adaptive γ policy plans with (`coordinator.policy`, whose module
+docstring gives the round-time formula they fit): what one round measured (`RoundTiming`) and
+the cost model every session of a coordinator shares (`CostModel`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.batch_plan import BatchPlan
+from specdec.core.acceptance import AcceptanceEstimate
+
+
+class _Ewma:
+    """Exponentially weighted mean; the first sample initialises it."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+class _AffineFit:
+    """Exponentially weighted least-squares fit t ≈ intercept + slope·x with slope ≥ 0.
+
+    Until x has varied, the fit is flat (slope 0 at the mean): a forward pass is taken to cost
+    the same for a few more positions, which is true while the model is memory-bound."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.w = self.wx = self.wxx = self.wt = self.wxt = 0.0
+
+    def add(self, x: float, t: float) -> None:
+        d = self.decay
+        self.w = d * self.w + 1.0
+        self.wx = d * self.wx + x
+        self.wxx = d * self.wxx + x * x
+        self.wt = d * self.wt + t
+        self.wxt = d * self.wxt + x * t
+
+    @property
+    def empty(self) -> bool:
+        return self.w == 0.0
+
+    def coefficients(self) -> tuple[float, float]:
+        """(intercept, slope) with slope ≥ 0 and intercept ≥ 0."""
+        mx, mt = self.wx / self.w, self.wt / self.w
+        var = self.wxx / self.w - mx * mx
+        slope = 0.0 if var <= 1e-6 * max(1.0, mx * mx) else (self.wxt / self.w - mx * mt) / var
+        slope = max(slope, 0.0)
+        intercept = mt - slope * mx
+        if intercept < 0.0:  # keep the line through the mean, but never predict < 0 at x = 0
+            intercept, slope = 0.0, mt / mx if mx > 0 else 0.0
+        return intercept, slope
+
+
+@dataclass
+class RoundTiming:
+    """What one round measured (seconds). Worker-reported fields are optional: without them
+    the whole call counts as forward time and a verify is taken to compute γ+1 positions."""
+
+    round_s: float
+    draft_s: float = 0.0  # wall time of the Propose call (0 when γ = 0)
+    verify_s: float = 0.0  # wall time of the Verify call
+    draft_forward_s: float | None = None  # the draft worker's forward time for the γ steps
+    draft_queue_s: float = 0.0
+    verify_forward_s: float | None = None  # the target's batched forward time
+    verify_queue_s: float = 0.0
+    batch_size: int = 1  # sessions in that verify pass
+    batch_positions: int | None = None  # positions it computed, left padding included
+    batch_seq: int | None = None  # that pass's number on its worker: fit each pass once
+    worker: str = ""  # the target worker's address
+    draft_overlapped: bool = False  # the candidates were drafted ahead (draft_s: waiting only)
+    ahead_wait_s: float = 0.0  # after the commit, waiting for the next block drafted ahead
+
+    def check(self) -> None:
+        values = [self.round_s, self.draft_s, self.verify_s, self.draft_queue_s]
+        values += [self.verify_queue_s, self.draft_forward_s or 0.0, self.verify_forward_s or 0.0]
+        values.append(self.ahead_wait_s)
+        if min(values) < 0:
+            raise ValueError(f"negative time in {self}")
+        if self.batch_size < 1 or (self.batch_positions is not None and self.batch_positions < 1):
+            raise ValueError(f"batch_size and batch_positions must be >= 1 in {self}")
+
+
+class CostModel:
+    """Timing estimates shared by every session of one coordinator (see `coordinator.policy`)."""
+
+    def __init__(self, decay: float = 0.9, fit_decay: float = 0.98) -> None:
+        if not (0.0 < decay <= 1.0 and 0.0 < fit_decay <= 1.0):
+            raise ValueError("decay and fit_decay must be in (0, 1]")
+        # target forward seconds against positions: passes that verify candidates, and plain
+        # decoding passes (one position per session) apart — a one-token step is often
+        # cheaper than the line through the longer passes predicts (a CPU's decode path)
+        self.verify_fit = _AffineFit(fit_decay)
+        self.plain_fit = _AffineFit(fit_decay)
+        self.draft_step = _Ewma(decay)  # draft forward seconds per step
+        self.batch_size = _Ewma(decay)  # N
+        self.draft_queue = _Ewma(decay)  # q_d
+        self.verify_queue = _Ewma(decay)  # q_v
+        self.draft_net = _Ewma(decay)  # n_d
+        self.verify_net = _Ewma(decay)  # n_v
+        self.rest = _Ewma(decay)  # r
+        self.acceptance = AcceptanceEstimate(0.99)  # over all sessions: a session's prior
+        self._last_pass: dict[str, int] = {}  # target worker -> last verify pass fitted
+        self.passes = 0  # verify passes fitted so far
+        self.plan = BatchPlan()  # the γ every batched session uses
+
+    def alpha(self, prior: float, weight: float = 4.0) -> float:
+        """α̂ over every session's recent speculative rounds, shrunk towards `prior`."""
+        return self.acceptance.value(prior, weight)
+
+    def verify_forward_s(self, positions: float, plain: bool = False) -> float:
+        """Predicted target forward time for `positions` positions (prior: 1.0, flat); with
+        `plain`, of a plain decoding pass (one position per session). Each fit stands in for
+        the other until it has data."""
+        fits = (self.plain_fit, self.verify_fit) if plain else (self.verify_fit, self.plain_fit)
+        fit = next((f for f in fits if not f.empty), None)
+        if fit is None:
+            return 1.0
+        intercept, slope = fit.coefficients()
+        return intercept + slope * positions
+
+    def observe(self, gamma: int, t: RoundTiming) -> None:
+        t.check()
+        v_fwd = t.verify_s if t.verify_forward_s is None else t.verify_forward_s
+        positions = t.batch_positions or (gamma + 1) * t.batch_size
+        # every session of a pass reports it, one after another: fit each pass once (`!=`, not
+        # `>`: a restarted worker numbers its passes from 1 again)
+        if t.batch_seq is None or t.batch_seq != self._last_pass.get(t.worker):
+            if t.batch_seq is not None:
+                self._last_pass[t.worker] = t.batch_seq
+            plain = positions <= t.batch_size
+            (self.plain_fit if plain else self.verify_fit).add(positions, v_fwd)
+            self.passes += 1
+        self.batch_size.add(t.batch_size)
+        if v_fwd > 0:
+            self.verify_queue.add(t.verify_queue_s / v_fwd)
+        self.verify_net.add(max(t.verify_s - t.verify_queue_s - v_fwd, 0.0))
+        if gamma > 0:
+            d_fwd = t.draft_s if t.draft_forward_s is None else t.draft_forward_s
+            self.draft_step.add(d_fwd / gamma)
+            if d_fwd > 0:
+                self.draft_queue.add(t.draft_queue_s / d_fwd)
+            if not t.draft_overlapped:  # drafted ahead, the call's time hid behind a verify
+                self.draft_net.add(max(t.draft_s - t.draft_queue_s - d_fwd, 0.0))
+        self.rest.add(max(t.round_s - t.draft_s - t.verify_s - t.ahead_wait_s, 0.0))
