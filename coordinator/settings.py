@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.serving.security import APIKeys, ClientTLS, SecurityFlags, ServerTLS
-from specdec.serving.settings import opt
+from specdec.serving.settings import LOG_LEVELS, opt
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class CoordinatorSettings(SecurityFlags):
     served_model_name: str = opt(
         "", "the model id of the HTTP API (default: the --tokenizer name or directory name)"
     )
-    log_level: str = opt("info", "debug | info | warning | error")
+    log_level: str = opt("info", "debug | info | warning | error", choices=LOG_LEVELS)
     tls_client_ca: str = opt(
         "", "with --tls-cert: public-API clients must present a certificate signed by this CA"
     )

@@ -17,9 +17,16 @@ def env_name(flag: str) -> str:
     return "SPECDEC_" + flag.lstrip("-").upper().replace("-", "_")
 
 
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+LOG_LEVELS = ["debug", "info", "warning", "error"]  # --log-level of every service
+
+
 def _coerce(value: str, kind: type) -> Any:
     if kind is bool:
-        return value.strip().lower() in ("1", "true", "yes", "on")
+        text = value.strip().lower()
+        if text not in TRUE + FALSE:
+            raise ValueError(f"expected true or false (1/0, yes/no, on/off), got {value!r}")
+        return text in TRUE
     return kind(value)
 
 
@@ -40,25 +47,50 @@ def add_flags(
         flag = "--" + field.name.replace("_", "-")
         kind = field.type if isinstance(field.type, type) else eval(field.type)  # noqa: S307
         default = field.default
+        # a SPECDEC_* value stays text: argparse converts a text default with the flag's type,
+        # so it is checked (pattern, choices) as the same value on the command line would be
         env = os.environ.get(env_name(flag))
         if env is not None:
-            default = _coerce(env, kind)
+            default = env
         help_text = (
             f"{field.metadata.get('help', '')} [env {env_name(flag)}; default {field.default!r}]"
         )
         if kind is bool:
+            if env is not None:
+                try:
+                    default = _coerce(env, bool)
+                except ValueError as exc:
+                    parser.error(f"{env_name(flag)}: {exc}")
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
         else:
-            pattern = field.metadata.get("pattern")
             parser.add_argument(
                 flag,
-                type=kind if pattern is None else _matching(kind, pattern, field.metadata["help"]),
+                type=_flag_type(kind, field.metadata),
                 default=default,
                 help=help_text,
                 choices=field.metadata.get("choices"),
             )
+
+
+def _flag_type(kind: type, meta: dict):
+    """An argparse type for a field: the value converted and checked against the field's
+    pattern or choices (argparse itself checks choices on the command line only, not on a
+    default, which is where a SPECDEC_* value goes)."""
+    convert = kind if "pattern" not in meta else _matching(kind, meta["pattern"], meta["help"])
+    choices = meta.get("choices")
+    if not choices:
+        return convert
+
+    def one_of(text: str) -> Any:
+        value = convert(text)
+        if value not in choices:
+            expected = " | ".join(map(str, choices))
+            raise argparse.ArgumentTypeError(f"expected one of {expected}, got {text!r}")
+        return value
+
+    return one_of
 
 
 def _matching(kind: type, pattern: str, expected: str):

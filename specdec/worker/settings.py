@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specdec.serving.security import SecurityFlags, ServerTLS
-from specdec.serving.settings import opt
+from specdec.serving.settings import LOG_LEVELS, opt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class WorkerSettings(SecurityFlags):
     max_in_flight: int = opt(
         256, "Propose/Verify/Prefill calls queued or running (RESOURCE_EXHAUSTED beyond)"
     )
-    log_level: str = opt("info", "debug | info | warning | error")
+    log_level: str = opt("info", "debug | info | warning | error", choices=LOG_LEVELS)
 
     def server_tls(self) -> ServerTLS | None:
         """TLS of this worker's port; with --tls-ca every caller needs a client certificate."""

@@ -3,7 +3,10 @@ lint, the values schema, the objects of each tier, probes, GPUs and the flags ea
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import importlib.util
+import json
 import re
 from collections import Counter
 
@@ -265,3 +268,52 @@ def test_extra_env_is_appended_last(chart):
         ]
     ]
     assert names[-2:] == ["SPECDEC_THREADS", "OMP_NUM_THREADS"]
+
+
+# the chart's tiers and the settings their SPECDEC_* variables are read into
+SETTINGS = {
+    "coordinator": ("coordinator.settings", "CoordinatorSettings"),
+    "draftWorker": ("draft_worker.__main__", "DraftSettings"),
+    "targetWorker": ("target_worker.__main__", "TargetSettings"),
+}
+# values the chart leaves out on purpose: static addresses go in config.draftAddr/targetAddr
+NARROWER = {("coordinator", "discovery"): {"static"}}
+
+
+def schema_mismatches(schema: dict, settings: dict[str, type]) -> list[str]:
+    """Where the values schema's enum or pattern of a tier's flag differs from the flag's own
+    choices or pattern (the schema is written by hand in deploy/helm/schema_tiers.py)."""
+    problems = []
+    for tier, cls in settings.items():
+        properties = schema["properties"][tier]["properties"]
+        keys = {**properties["config"]["properties"]}
+        keys.update({k: properties[k] for k in ("logLevel", "discovery") if k in properties})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key, spec in keys.items():
+            field = fields.get(re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower())
+            if field is None:
+                problems.append(f"{tier}.{key}: no such flag")
+                continue
+            enum = {v for v in spec.get("enum", []) if v is not None}
+            choices = set(field.metadata.get("choices", []))
+            if enum != choices - NARROWER.get((tier, key), set()):
+                problems.append(f"{tier}.{key}: schema {sorted(enum)}, flag {sorted(choices)}")
+            pattern = field.metadata.get("pattern")
+            if pattern and "pattern" not in spec:
+                problems.append(f"{tier}.{key}: the flag's pattern is not in the schema")
+    return problems
+
+
+def test_the_schema_allows_what_each_flag_allows():
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    settings = {
+        tier: getattr(importlib.import_module(module), name)
+        for tier, (module, name) in SETTINGS.items()
+    }
+    assert schema_mismatches(schema, settings) == []
+    # negative control: a choice the flag gained and the schema did not
+    draft = schema["properties"]["draftWorker"]["properties"]["config"]["properties"]
+    draft["proposer"]["enum"].remove("ngram")
+    assert schema_mismatches(schema, settings) == [
+        "draftWorker.proposer: schema ['model'], flag ['model', 'ngram']"
+    ]
