@@ -16,7 +16,7 @@ from specdec.launcher.models import (
     has_chat_template,
     model_line,
 )
-from specdec.serving.settings import env_default
+from specdec.serving.settings import LOG_LEVELS, env_default, flag_type
 
 
 def up(argv: list[str]) -> int:
@@ -47,7 +47,10 @@ def up(argv: list[str]) -> int:
         "--target-threads", type=int, default=env_default("target-threads", max(1, cores - 1))
     )
     p.add_argument(
-        "--proposer", choices=["model", "ngram"], default=env_default("proposer", "model")
+        "--proposer",
+        type=flag_type(str, {"choices": ["model", "ngram"]}),
+        choices=["model", "ngram"],
+        default=env_default("proposer", "model"),
     )
     p.add_argument(
         "--redis-url",
@@ -91,7 +94,12 @@ def up(argv: list[str]) -> int:
         default=env_default("reflection", True),
         help="gRPC reflection on every service (on here; off by default in each service)",
     )
-    p.add_argument("--log-level", default=env_default("log-level", "warning"))
+    p.add_argument(
+        "--log-level",
+        type=flag_type(str, {"choices": LOG_LEVELS}),
+        choices=LOG_LEVELS,
+        default=env_default("log-level", "warning"),
+    )
     args = p.parse_args(argv)
     from specdec.catalog import CatalogError, cache_root
     from specdec.engine.convert import resolve_model

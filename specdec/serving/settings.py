@@ -31,9 +31,18 @@ def _coerce(value: str, kind: type) -> Any:
 
 
 def env_default(flag: str, default: Any) -> Any:
-    """SPECDEC_<FLAG> coerced to the default's type, or the default when it is unset."""
+    """SPECDEC_<FLAG>, or the default when it is unset: for a boolean flag the value, else the
+    text, which argparse converts with the flag's `type` as it would the command line's (so a
+    bad value is refused naming the flag, not with a traceback)."""
     value = os.environ.get(env_name(flag))
-    return default if value is None else _coerce(value, type(default))
+    if value is None:
+        return default
+    if isinstance(default, bool):
+        try:
+            return _coerce(value, bool)
+        except ValueError as exc:
+            raise SystemExit(f"{env_name(flag)}: {exc}") from None
+    return value
 
 
 def add_flags(
@@ -67,14 +76,14 @@ def add_flags(
         else:
             parser.add_argument(
                 flag,
-                type=_flag_type(kind, field.metadata),
+                type=flag_type(kind, field.metadata),
                 default=default,
                 help=help_text,
                 choices=field.metadata.get("choices"),
             )
 
 
-def _flag_type(kind: type, meta: dict):
+def flag_type(kind: type, meta: dict):
     """An argparse type for a field: the value converted and checked against the field's
     pattern or choices (argparse itself checks choices on the command line only, not on a
     default, which is where a SPECDEC_* value goes)."""

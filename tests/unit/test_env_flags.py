@@ -1,13 +1,19 @@
 """SPECDEC_* variables are read as the command line is: converted with the flag's type and
 checked against its choices or pattern, refused with the flag named before any work starts
-(argparse checks choices on the command line only; a variable becomes a default)."""
+(argparse checks choices on the command line only; a variable becomes a default) — in
+every service and in `specdec up`."""
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
 from draft_worker.__main__ import DraftSettings
 from specdec.serving.settings import add_flags, from_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse(argv: list[str]) -> DraftSettings:
@@ -64,3 +70,21 @@ def test_the_same_values_are_refused_on_the_command_line(capsys, flag):
 def test_boolean_variables(monkeypatch, value, expected):
     monkeypatch.setenv("SPECDEC_REFLECTION", value)
     assert parse([]).reflection is expected
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("SPECDEC_PORT", "abc", "argument --port: invalid int value: 'abc'"),
+        ("SPECDEC_LOG_LEVEL", "warn", "argument --log-level: expected one of debug | info"),
+        ("SPECDEC_PROPOSER", "x", "argument --proposer: expected one of model | ngram, got 'x'"),
+        ("SPECDEC_TLS", "maybe", "SPECDEC_TLS: expected true or false"),
+    ],
+)
+def test_specdec_up_refuses_a_bad_variable_before_starting(variable, value, message):
+    env = {**os.environ, "PYTHONPATH": ROOT, variable: value}
+    argv = [sys.executable, "-m", "specdec", "up", "--no-demo"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode in (1, 2), done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr and "READY" not in done.stdout
