@@ -40,9 +40,11 @@ class BatchPlan:
     per probe. Neighbours let the plan climb to the best γ; the others are there because the
     rate need not be unimodal in γ: every γ > 0 pays the draft call's fixed costs, so γ = 1
     can be worse than both γ = 0 and γ = 3. A window closes only after `min_rounds` measured
-    rounds (or three windows' passes, at a very low load). When the plan's γ measured nothing
-    for `max_age` windows' passes (at the start, after a pause) the plan starts again from the
-    forecast, and its first 3 windows each end with a probe."""
+    rounds (or three windows' passes, at a very low load). The plan starts from the forecast;
+    when its γ has measured nothing for `max_age` windows' passes (after a pause) it starts
+    again from that γ, not the forecast (under load the forecast ran high: γ = 4 where the
+    windows had found 2, docs/benchmarks.md), with a probe after each of its first 3 windows,
+    the first of them at the forecast's choice, so a load unlike the last one moves it."""
 
     PROBES = ("off", "neighbour", "model", "neighbour")
 
@@ -160,8 +162,9 @@ class BatchPlan:
             rate is None
             and self.gamma == self.best
             and not self._fresh(self.measured.get(self.best))
-        ):  # nothing measured lately (a new load after a pause): start from the forecast
-            self.best, self._started = model_best(0), self.window
+        ):  # nothing measured lately (a new load after a pause): start again, from this γ
+            self._started = self.window
+            self._probes = self.PROBES.index("model")  # the forecast's choice probed first
         best = min(self.best, max_gamma)
         self._since_probe += 1
         # in the first 3 windows of a (re)start every window probes

@@ -272,3 +272,39 @@ def test_the_batch_plan_logs_each_window_it_closes_at_debug(caplog):
     lines = [r.getMessage() for r in caplog.records if "batch plan" in r.getMessage()]
     assert lines[0].startswith("batch plan: window 1 (passes 0-4) γ=3 plan, 9 rounds measured")
     assert "γ=0 probe" in lines[1]  # the first window ends with a probe of speculation off
+
+
+def _run_windows(plan, passes, count, round_s, forecast=4):
+    """`count` windows of 4 passes, every settled round taking round_s[γ]; the γ of each."""
+    windows = []
+    for _ in range(count):
+        gamma = plan.current(passes, 0.7, 4, lambda low: max(low, forecast))
+        windows.append(gamma)
+        for step in range(1, 4):
+            ticket = plan.ticket(passes + step)
+            for _ in range(2):
+                plan.observe(ticket, gamma, round_s[gamma])
+        passes += 4
+    return windows, passes
+
+
+@pytest.mark.parametrize("after", ["same load", "new load"])
+def test_after_a_pause_the_plan_starts_again_from_its_own_gamma(after):
+    """A plan that found γ = 2 against a forecast of 4 pauses (nothing measured for longer
+    than max_age windows). It starts again at 2, not at the forecast (the rule before: the
+    first window after the pause at 4), and its first probe goes to the forecast's 4: under
+    the same load 2 stays, under a load where 4 is best the plan moves there."""
+    before = {0: 0.10, 1: 0.12, 2: 0.135, 3: 0.16, 4: 0.2}  # γ = 2 best
+    later = {0: 0.30, 1: 0.31, 2: 0.32, 3: 0.33, 4: 0.34}  # γ = 4 best
+    rate = {g: expected_tokens(0.7, g) / t for g, t in later.items()}
+    assert max(rate, key=rate.get) == 4
+    plan = BatchPlan(window_passes=4, settle_passes=1, probe_every=2, max_age=10, min_rounds=2)
+    windows, passes = _run_windows(plan, 0, 12, before)
+    assert plan.best == 2 and windows[0] == 4  # started at the forecast, found 2
+    # the sessions' last call opens a window at 2; then nothing for 50 windows' passes
+    assert plan.current(passes, 0.7, 4, lambda low: max(low, 4)) == 2
+    passes += 4 * 50
+    after_pause, _ = _run_windows(plan, passes, 8, before if after == "same load" else later)
+    assert after_pause[:3] == [2, 4, 2]  # 2 again; the forecast's 4 probed first
+    assert plan.window - plan._started == 8  # the pause started the plan again
+    assert plan.best == (2 if after == "same load" else 4)
