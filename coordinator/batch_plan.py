@@ -44,7 +44,9 @@ class BatchPlan:
     when its γ has measured nothing for `max_age` windows' passes (after a pause) it starts
     again from that γ, not the forecast (under load the forecast ran high: γ = 4 where the
     windows had found 2, docs/benchmarks.md), with a probe after each of its first 3 windows,
-    the first of them at the forecast's choice, so a load unlike the last one moves it."""
+    the first of them at the forecast's choice, so a load unlike the last one moves it. A γ
+    not measured since the last start (a load too light for a window to measure) gives way
+    to the forecast, as at the start."""
 
     PROBES = ("off", "neighbour", "model", "neighbour")
 
@@ -75,6 +77,7 @@ class BatchPlan:
         self._pending: tuple[int, float, float, int] | None = None  # a probe awaiting its
         # confirming window: (γ, its rate, the plan's rate before it, the plan's γ)
         self._started = 1  # the window the plan last started afresh in
+        self._restarted = -1  # the pass it last started again at, after a pause
 
     def current(self, passes: int, alpha: float, max_gamma: int, model_best) -> int:
         """This window's γ (a new window's when the current one is complete).
@@ -162,8 +165,13 @@ class BatchPlan:
             rate is None
             and self.gamma == self.best
             and not self._fresh(self.measured.get(self.best))
-        ):  # nothing measured lately (a new load after a pause): start again, from this γ
-            self._started = self.window
+        ):  # nothing measured lately (a new load after a pause): start again — from this γ
+            # if its windows measured it since the last start, else (a load too light to
+            # measure) from the forecast
+            entry = self.measured.get(self.best)
+            if entry is None or entry[1] <= self._restarted:
+                self.best = model_best(0)
+            self._started, self._restarted = self.window, passes
             self._probes = self.PROBES.index("model")  # the forecast's choice probed first
         best = min(self.best, max_gamma)
         self._since_probe += 1
