@@ -74,9 +74,10 @@ def add_flags(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
         else:
+            convert = flag_type(kind, field.metadata)
             parser.add_argument(
                 flag,
-                type=flag_type(kind, field.metadata),
+                type=convert if env is None else _naming_variable(convert, env_name(flag), env),
                 default=default,
                 help=help_text,
                 choices=field.metadata.get("choices"),
@@ -100,6 +101,23 @@ def flag_type(kind: type, meta: dict):
         return value
 
     return one_of
+
+
+def _naming_variable(convert, variable: str, value: str):
+    """An argparse type that, when the refused text is the variable's, says it came from there
+    (argparse names only the flag, and the command line may not hold it at all)."""
+
+    def checked(text: str) -> Any:
+        try:
+            return convert(text)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+            if text != value:
+                raise
+            reason = str(exc) if isinstance(exc, argparse.ArgumentTypeError) else None
+            reason = reason or f"invalid {getattr(convert, '__name__', 'value')} value: {text!r}"
+            raise argparse.ArgumentTypeError(f"{reason} (from {variable})") from None
+
+    return checked
 
 
 def _matching(kind: type, pattern: str, expected: str):

@@ -39,11 +39,15 @@ def test_variables_are_converted_like_flags(monkeypatch):
         (
             "SPECDEC_PROPOSER",
             "bogus",
-            "argument --proposer: expected one of model | ngram, got 'bogus'",
+            "argument --proposer: expected one of model | ngram, got 'bogus' (from SPECDEC_PROPOSER)",
         ),
         ("SPECDEC_LOG_LEVEL", "warn", "argument --log-level: expected one of debug | info"),
         ("SPECDEC_DTYPE", "fp8", "argument --dtype: expected one of auto | float32"),
-        ("SPECDEC_THREADS", "abc", "argument --threads: invalid int value: 'abc'"),
+        (
+            "SPECDEC_THREADS",
+            "abc",
+            "argument --threads: invalid int value: 'abc' (from SPECDEC_THREADS)",
+        ),
         ("SPECDEC_REFLECTION", "maybe", "SPECDEC_REFLECTION: expected true or false"),
     ],
 )

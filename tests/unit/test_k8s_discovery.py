@@ -392,7 +392,8 @@ def test_discovery_flags_that_cannot_work_fail_the_start(monkeypatch, capsys, tm
     monkeypatch.setenv("SPECDEC_DISCOVERY", "consul")  # the environment skips argparse
     with pytest.raises(SystemExit):
         coordinator_main([])
-    assert "--discovery must be one of redis, kubernetes, static" in capsys.readouterr().err
+    expected = "argument --discovery: expected one of redis | kubernetes | static, got 'consul'"
+    assert f"{expected} (from SPECDEC_DISCOVERY)" in capsys.readouterr().err
     monkeypatch.delenv("SPECDEC_DISCOVERY")
 
     def refused(**values) -> str:
