@@ -8,7 +8,8 @@ import logging
 import os
 
 from coordinator.discovery import DiscoveryConfigError, check_discovery
-from coordinator.gateway import Gateway, HTTPServer
+from coordinator.gateway import Gateway
+from coordinator.http_server import HTTPServer
 from coordinator.service import CoordinatorService
 from coordinator.settings import CoordinatorSettings
 from specdec.catalog import resolve_dir
