@@ -37,7 +37,6 @@ from bench.pipeline import MODES, gamma_list, held_out, load_on_stack, pair_argu
 from bench.report import save
 from specdec.engine.model import ModelRuntime, RuntimeSettings
 from specdec.launcher.stack import StackSettings
-from specdec.serving.redis_embedded import free_port
 
 # the flag compared -> (its RuntimeSettings field, the baseline value, the new one)
 COMPARE = {
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = StackSettings(
                 args.target_model,
                 args.draft_model,
-                port=free_port(),
+                port=0,
                 draft_threads=1,
                 target_threads=1,
                 target_args=flags,

@@ -243,7 +243,7 @@ def run(args, link: Link | None = None) -> dict:
     settings = StackSettings(
         args.target_model,
         args.draft_model,
-        port=free_port(),
+        port=0,
         draft_workers=2,
         target_workers=2,
         persist_redis=True,

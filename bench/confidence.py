@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     gammas = gamma_list(args.gammas)
     prompts = held_out(args)
     runs: dict[str, list[dict]] = {t: [] for t in thresholds}
-    settings = StackSettings(args.target_model, args.draft_model, port=free_port())
+    settings = StackSettings(args.target_model, args.draft_model, port=0)
     with Stack(settings) as stack:
         address = {}
         for t in thresholds:

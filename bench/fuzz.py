@@ -251,7 +251,6 @@ class Fuzzer:
 
 def main(argv: list[str] | None = None) -> int:
     from specdec.launcher.stack import Stack, StackSettings
-    from specdec.serving.redis_embedded import free_port
 
     p = argparse.ArgumentParser(prog="specdec bench fuzz", description=__doc__.splitlines()[0])
     p.add_argument("--examples", type=int, default=10_000, help="worker examples (public: half)")
@@ -262,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     stack_settings = StackSettings(
         args.target_model,
         args.draft_model,
-        port=free_port(),
+        port=0,
         coordinator_args=["--default-max-new-tokens", "6"],
     )
     with Stack(stack_settings) as stack:

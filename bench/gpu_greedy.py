@@ -124,7 +124,6 @@ def cmd_greedy(args) -> int:
     began = time.monotonic()
     stop_on_sigterm()
     from specdec.launcher.stack import Stack, StackError, StackSettings
-    from specdec.serving.redis_embedded import free_port
 
     pair = resolve_pair(args.pair, args.target, args.draft)
     print(f"pair {pair['name']}: target {pair['target']}, draft {pair['draft']}", flush=True)
@@ -135,7 +134,7 @@ def cmd_greedy(args) -> int:
         StackSettings(
             pair["target"],
             pair["draft"],
-            port=free_port(),
+            port=0,
             log_level="warning",
             target_threads=1,
             draft_threads=1,

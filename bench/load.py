@@ -133,7 +133,6 @@ async def phase(address: str, requests: list, concurrency: int, timeout_s: float
 
 def main(argv: list[str] | None = None) -> int:
     from specdec.launcher.stack import Stack, StackSettings
-    from specdec.serving.redis_embedded import free_port
     from specdec.text.tokenizer import load_tokenizer
 
     p = argparse.ArgumentParser(prog="specdec bench load", description=__doc__.splitlines()[0])
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = StackSettings(
         args.target_model,
         args.draft_model,
-        port=free_port(),
+        port=0,
         coordinator_args=["--max-streams", str(MAX_STREAMS)],
     )
     report = {"command": "python -m bench.load " + " ".join(argv or [])}

@@ -26,7 +26,6 @@ from bench.prompts import heldout_prompts
 from bench.report import save
 from specdec.client import Client
 from specdec.launcher.stack import Stack, StackSettings
-from specdec.serving.redis_embedded import free_port
 
 MODES = {"greedy": {"temperature": 0.0}, "sampling": {"temperature": 0.8, "top_p": 0.95}}
 GAMMAS = (2, 4, None)
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = StackSettings(
                 args.target_model,
                 args.draft_model,
-                port=free_port(),
+                port=0,
                 coordinator_args=["--pipeline", name],
             )
             with Stack(settings) as stack:

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = held_out(args)
     rates: dict[str, list[float]] = {}
     settings = StackSettings(
-        args.target_model, args.draft_model, port=free_port(), draft_threads=1, target_threads=1
+        args.target_model, args.draft_model, port=0, draft_threads=1, target_threads=1
     )
     with tempfile.TemporaryDirectory() as scratch, Stack(settings) as stack:
         path = worktree(args.baseline, scratch)

@@ -15,7 +15,6 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from specdec.launcher.stack import Stack, StackSettings
-from specdec.serving.redis_embedded import free_port
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -116,7 +115,7 @@ class BenchStack:
             StackSettings(
                 target_model=args.target_model,
                 draft_model=args.draft_model,
-                port=free_port(),
+                port=0,
                 host="127.0.0.1",
                 draft_threads=1,
                 target_threads=args.threads - 1,

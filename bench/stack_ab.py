@@ -28,7 +28,6 @@ from bench.pipeline import gamma_list, held_out, load_on_stack, pair_arguments
 from bench.policy_ab import ROOT, worktree
 from bench.report import save
 from specdec.launcher.stack import StackSettings
-from specdec.serving.redis_embedded import free_port
 
 
 def measure(args, prompts, code_dir: str) -> dict[str, float]:
@@ -36,7 +35,7 @@ def measure(args, prompts, code_dir: str) -> dict[str, float]:
     settings = StackSettings(
         os.path.abspath(args.target_model),
         os.path.abspath(args.draft_model),
-        port=free_port(),
+        port=0,
         draft_threads=1,
         target_threads=1,
         code_dir=code_dir,

@@ -24,7 +24,6 @@ import time
 from bench.report import save
 from specdec.client import Client
 from specdec.launcher.stack import Stack, StackSettings
-from specdec.serving.redis_embedded import free_port
 from specdec.serving.security import ClientTLS
 from specdec.serving.server import channel
 from specdec.v1 import common_pb2, target_pb2_grpc
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = StackSettings(
                 args.target_model,
                 args.draft_model,
-                port=free_port(),
+                port=0,
                 tls=secure,
                 api_keys=[API_KEY] if secure else [],
             )

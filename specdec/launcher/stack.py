@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdec.launcher.certs import CertificateAuthority
-from specdec.serving.redis_embedded import EmbeddedRedis, free_port
+from specdec.serving.redis_embedded import EmbeddedRedis
 from specdec.serving.registry import redact
 from specdec.serving.security import hash_key
 
@@ -66,6 +66,7 @@ class Child:
         self.argv = argv
         self.lines: collections.deque[str] = collections.deque(maxlen=200)
         self.ready = threading.Event()
+        self.ready_line = ""  # "READY <role> <host:port> …": the address it bound
         self.process = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -81,7 +82,16 @@ class Child:
         for line in self.process.stdout:
             self.lines.append(line.rstrip())
             if line.startswith("READY"):
+                self.ready_line = line.strip()
                 self.ready.set()
+
+    def bound_address(self) -> str:
+        """The host:port its READY line reports (a port of 0 asked for a free one); its argv
+        then names that port, so a restart with the same argv comes back on the same address."""
+        address = self.ready_line.split()[2]
+        if "--port" in self.argv:
+            self.argv[self.argv.index("--port") + 1] = address.rsplit(":", 1)[1]
+        return address
 
     def tail(self, n: int = 15) -> str:
         return "\n".join(list(self.lines)[-n:])
@@ -103,6 +113,7 @@ class Stack:
         self.children: list[Child] = []
         self.draft_addresses: list[str] = []
         self.target_addresses: list[str] = []
+        self.port = settings.port  # the coordinator's; 0 until it reports the one it bound
         self.state_dir = ""
         self._own_state_dir = False
         self.ca: CertificateAuthority | None = None
@@ -146,7 +157,7 @@ class Stack:
 
     @property
     def address(self) -> str:
-        return f"{self.settings.host}:{self.settings.port}"
+        return f"{self.settings.host}:{self.port}"
 
     @property
     def http_url(self) -> str:
@@ -166,14 +177,13 @@ class Stack:
         self.children.append(child)
         return child
 
-    def _spawn_worker(self, tier: str, i: int, model: str, threads: int, extra: list[str]) -> str:
-        """Start worker i of a tier on a free port; returns the line `up` prints for it."""
-        port = free_port()
-        getattr(self, f"{tier}_addresses").append(f"127.0.0.1:{port}")
-        args = ["--model", model, "--port", str(port), "--threads", str(threads)]
+    def _spawn_worker(self, tier: str, i: int, model: str, threads: int, extra: list[str]) -> Child:
+        """Start worker i of a tier; it binds a free port itself (--port 0) and reports it when
+        ready (a port picked here first could be taken before the worker, which loads its
+        model before binding, got to it)."""
+        args = ["--model", model, "--port", "0", "--threads", str(threads)]
         args += [*self.worker_tls, *extra]
-        self._spawn(f"{tier}-worker-{i}", f"{tier}_worker", args)
-        return f"{tier}[{i}]".ljust(13) + f"127.0.0.1:{port}  model={model} threads={threads}"
+        return self._spawn(f"{tier}-worker-{i}", f"{tier}_worker", args)
 
     def start(self, progress=print) -> Stack:
         s = self.settings
@@ -188,19 +198,28 @@ class Stack:
                 kept = f", sessions kept in {data}" if data else ""
                 progress(f"redis        {redact(self.redis_url)} (embedded redis-server{kept})")
             common = ["--log-level", s.log_level, *self._reflection()]
-            for i in range(s.target_workers):
-                extra = common + s.target_args
-                progress(self._spawn_worker("target", i, s.target_model, s.target_threads, extra))
-            for i in range(s.draft_workers):
-                extra = ["--proposer", s.proposer, *common, *s.draft_args]
-                line = self._spawn_worker("draft", i, s.draft_model, s.draft_threads, extra)
-                progress(f"{line} proposer={s.proposer}")
+            tiers = [("target", s.target_model, s.target_threads, common + s.target_args, "")]
+            draft = ["--proposer", s.proposer, *common, *s.draft_args]
+            tiers.append(
+                ("draft", s.draft_model, s.draft_threads, draft, f" proposer={s.proposer}")
+            )
+            workers = [
+                (tier, i, model, threads, note, self._spawn_worker(tier, i, model, threads, extra))
+                for tier, model, threads, extra, note in tiers
+                for i in range(s.target_workers if tier == "target" else s.draft_workers)
+            ]
             self._wait(self.children, s.startup_timeout_s)
+            for tier, i, model, threads, note, child in workers:
+                address = child.bound_address()
+                getattr(self, f"{tier}_addresses").append(address)
+                line = f"{tier}[{i}]".ljust(13) + f"{address}  model={model} threads={threads}"
+                progress(line + note)
             http = ["--http-port", str(s.http_port)] if s.http_port >= 0 else []
             coordinator = self._spawn(
                 "coordinator", "coordinator", self._coordinator_args(s.port, http)
             )
             self._wait([coordinator], s.startup_timeout_s)
+            self.port = int(coordinator.bound_address().rsplit(":", 1)[1])
             progress(f"coordinator  {self.address}")
             return self
         except BaseException:

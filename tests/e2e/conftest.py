@@ -19,7 +19,7 @@ def stack(model_dirs):
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         log_level="warning",
     )
     with Stack(settings) as running:
@@ -70,7 +70,7 @@ def observed(model_dirs, receiver):
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         log_level="warning",
         # rounds as the trace assertions below expect them: one Propose per round with
         # candidates (pipelined rounds add a `specdec.draft_ahead` span that overlaps the

@@ -181,7 +181,7 @@ def test_full_workers_are_back_pressure_not_failures(model_dirs):
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         coordinator_args=["--metrics-port", str(metrics)],
         target_args=["--max-in-flight", "1"],
         draft_args=["--max-in-flight", "1"],
@@ -219,12 +219,11 @@ def test_new_sessions_are_shed_while_the_target_tier_is_saturated(model_dirs):
 
     from specdec.client import Client
     from specdec.launcher.stack import Stack, StackSettings
-    from specdec.serving.redis_embedded import free_port
 
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         coordinator_args=["--shed-verify-s", "0.000001"],
     )
     kwargs = dict(max_new_tokens=120, num_speculative_tokens=2, ignore_eos=True)
@@ -264,12 +263,11 @@ def test_a_burst_of_new_sessions_starts_a_few_at_a_time_and_all_finish(model_dir
 
     from specdec.client import Client
     from specdec.launcher.stack import Stack, StackSettings
-    from specdec.serving.redis_embedded import free_port
 
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         coordinator_args=["--max-starting", "1"],
     )
     prompts = [f"def g{i}(x, y):" * 8 for i in range(6)]  # prompts long enough to prefill

@@ -28,7 +28,7 @@ def stack2(model_dirs):
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         draft_workers=2,
         target_workers=2,
         coordinator_args=[

@@ -10,7 +10,6 @@ import pytest
 
 from bench.fuzz import Fuzzer
 from specdec.launcher.stack import Stack, StackSettings
-from specdec.serving.redis_embedded import free_port
 
 EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "1000"))  # ≈ 1,700 calls in all
 
@@ -20,7 +19,7 @@ def test_fuzzed_requests_get_client_errors_only(model_dirs):
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         coordinator_args=["--default-max-new-tokens", "6"],
     )
     with Stack(settings) as stack:

@@ -146,7 +146,7 @@ def test_prometheus_metrics(model_dirs):
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         coordinator_args=["--metrics-port", str(ports["coordinator"])],
         target_args=["--metrics-port", str(ports["target"])],
         draft_args=["--metrics-port", str(ports["draft"])],

@@ -32,7 +32,7 @@ def stack(model_dirs):
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         http_port=free_port(),
         api_keys=[KEY],
     )

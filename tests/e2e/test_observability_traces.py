@@ -164,7 +164,7 @@ def faulty(model_dirs, receiver):
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         draft_workers=2,
         log_level="error",
         coordinator_args=["--lease-s", "1.0", "--draft-timeout-s", "2"],

@@ -15,7 +15,6 @@ from test_generate import hf_greedy
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
 from specdec.launcher.stack import Stack, StackSettings
-from specdec.serving.redis_embedded import free_port
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "import os\n", "for i in range(10):\n"]
@@ -27,7 +26,7 @@ def pipelined_stack(model_dirs, *coordinator_args: str, **settings) -> Stack:
         StackSettings(
             model_dirs["target"],
             model_dirs["draft"],
-            port=free_port(),
+            port=0,
             log_level="warning",
             coordinator_args=["--pipeline", "on", *coordinator_args],
             **settings,

@@ -12,7 +12,6 @@ from test_generate import test_greedy_equals_target_generate as greedy_equals_ta
 
 from coordinator.store import Keys
 from specdec.launcher.stack import Stack, StackSettings
-from specdec.serving.redis_embedded import free_port
 from specdec.v1 import coordinator_pb2_grpc
 
 
@@ -20,7 +19,7 @@ def stack_on(model_dirs, redis_url: str) -> Stack:
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         redis_url=redis_url,
         log_level="warning",
         startup_timeout_s=120.0,

@@ -14,7 +14,6 @@ from test_faults import reference, stream_and_kill
 
 from specdec.client import Client
 from specdec.launcher.stack import Stack, StackSettings
-from specdec.serving.redis_embedded import free_port
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -24,7 +23,7 @@ def stack_settings(model_dirs, persist: bool) -> StackSettings:
     return StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         persist_redis=persist,
         coordinator_args=["--lease-s", "1.0"],
     )

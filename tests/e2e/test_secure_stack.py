@@ -38,7 +38,7 @@ def secure(model_dirs):
     settings = StackSettings(
         model_dirs["target"],
         model_dirs["draft"],
-        port=free_port(),
+        port=0,
         target_workers=2,
         tls=True,
         api_keys=[KEY],
