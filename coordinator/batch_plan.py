@@ -93,6 +93,16 @@ class BatchPlan:
             self._close(passes, alpha, max_gamma, model_best)
         return min(self.gamma, max_gamma)
 
+    def resume(self, passes: int) -> None:
+        """In use again after other plans (other loads) held the passes since its last call: a
+        window left open then is dropped, a probe's with it — its rounds and the ones to come
+        would not be side by side — and a new one begins at the plan's γ."""
+        if self.gamma is None or passes - self.passes <= self.window_passes:
+            return
+        self._probe_from = self._pending = None
+        self.passes = passes
+        self._begin(passes, self.best)
+
     def ticket(self, passes: int) -> tuple[int, bool]:
         """What a session choosing now records, to report its round with: (window, whether
         its round counts towards the window's measurement)."""

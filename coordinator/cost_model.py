@@ -4,6 +4,8 @@ the cost model every session of a coordinator shares (`CostModel`)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.batch_plan import BatchPlan
@@ -108,7 +110,36 @@ class CostModel:
         self.acceptance = AcceptanceEstimate(0.99)  # over all sessions: a session's prior
         self._last_pass: dict[str, int] = {}  # target worker -> last verify pass fitted
         self.passes = 0  # verify passes fitted so far
-        self.plan = BatchPlan()  # the γ every batched session uses
+        # The γ every batched session uses: one batch plan per load level (`running`, the
+        # coordinator's running sessions, when it tells; else one plan for every load)
+        self.running: Callable[[], int] | None = None
+        self.plans: dict[int, BatchPlan] = {0: BatchPlan()}
+        self.level = 0  # the plan in use: log2 of the running sessions, smoothed and rounded
+        self._running = _Ewma(decay)
+
+    @property
+    def plan(self) -> BatchPlan:
+        """The batch plan of the current load level. What the best γ is moves with the load
+        (on the code pair on 2 CPU cores γ = 2 at 16 sessions, 5–7 as the last few finish), and measurements
+        at one load say nothing against another's: a plan per level — about 2 sessions
+        (1.5–2.8), 4 (2.9–5.6), 8, 16, … (the powers of 2 deployments are sized in sit
+        mid-level) — keeps what it found there for the next time the load is there, where one
+        plan would start every burst from whatever the tail of the last one found."""
+        return self.plans[self.level]
+
+    def _track_load(self) -> None:
+        """Follow the running sessions' level, smoothed (a session ending as the next begins
+        does not switch plans mid-pass) and with a margin of 1/8 past either boundary."""
+        if self.running is None:
+            return
+        self._running.add(max(self.running(), 1))
+        load = math.log2(self._running.get(1.0))
+        if abs(load - self.level) < 0.5 + 0.17:
+            return  # within the level or within 1/8 past its boundaries: no change
+        level = max(0, round(load))
+        plan = self.plans.setdefault(level, BatchPlan())
+        plan.resume(self.passes)
+        self.level = level
 
     def alpha(self, prior: float, weight: float = 4.0) -> float:
         """α̂ over every session's recent speculative rounds, shrunk towards `prior`."""
@@ -138,6 +169,7 @@ class CostModel:
             (self.plain_fit if plain else self.verify_fit).add(positions, v_fwd)
             self.passes += 1
         self.batch_size.add(t.batch_size)
+        self._track_load()
         if v_fwd > 0:
             self.verify_queue.add(t.verify_queue_s / v_fwd)
         self.verify_net.add(max(t.verify_s - t.verify_queue_s - v_fwd, 0.0))

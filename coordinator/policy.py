@@ -44,6 +44,7 @@ everything else is free, so the first rounds use a moderate γ.
 
 from __future__ import annotations
 
+from coordinator.batch_plan import BatchPlan
 from coordinator.cost_model import CostModel, RoundTiming
 from specdec.core.acceptance import AcceptanceEstimate
 from specdec.core.perf_model import expected_tokens
@@ -85,7 +86,8 @@ class AdaptiveGamma:
         self._zero_rounds = 0  # rounds at γ = 0 since the last probe from 0
         self._zero_period = explore_every  # rounds between probes from 0 (doubling, capped)
         self.pipeline = "off"  # on | auto | off: rounds draft the next block during a verify
-        self._ticket: tuple[int, bool] | None = None  # the batch plan's, for the next round
+        # the batch plan that chose the next round's γ, and its ticket for the round
+        self._ticket: tuple[BatchPlan, int, bool] | None = None
         self._planned: int | None = None  # the plan's γ this session's last round used
 
     @property
@@ -188,14 +190,15 @@ class AdaptiveGamma:
         self._ticket = None
         if self.batched():
             gamma = self._plan()
-            window, settled = self.costs.plan.ticket(self.costs.passes)
+            plan = self.costs.plan
+            window, settled = plan.ticket(self.costs.passes)
             # a session's first rounds (its prompt's prefill, joining a batch) do not count,
             # nor its first round at a new γ: from γ = 0 the draft first catches up on every
             # token committed meanwhile (and pads its pass with them), a cost of the switch —
             # paid by every probe up from 0 and by none down to it — not of the γ
             same = self._planned == gamma
             self._planned = gamma
-            self._ticket = window, settled and same and self._calls > FIRST_ROUNDS
+            self._ticket = plan, window, settled and same and self._calls > FIRST_ROUNDS
             return gamma
         self._planned = None
         best = self._argmax()
@@ -257,7 +260,11 @@ class AdaptiveGamma:
             f"draft step={ms(c.draft_step.get(0.0))} ms queue d/v={c.draft_queue.get(0.0):.2f}/"
             f"{c.verify_queue.get(0.0):.2f} net d/v={ms(c.draft_net.get(0.0))}/"
             f"{ms(c.verify_net.get(0.0))} ms rest={ms(c.rest.get(0.0))} ms; tokens/s by γ {rates}"
-            + (f"; {c.plan.describe(self.planning_alpha())}" if self.batched() else "")
+            + (
+                f"; level {c.level} {c.plan.describe(self.planning_alpha())}"
+                if self.batched()
+                else ""
+            )
         )
 
     def observe(
@@ -278,7 +285,8 @@ class AdaptiveGamma:
         self.costs.observe(gamma, timing)
         if self._ticket is not None:
             chosen = gamma if asked is None else asked
-            self.costs.plan.observe(self._ticket, chosen, timing.round_s)
+            plan, window, settled = self._ticket
+            plan.observe((window, settled), chosen, timing.round_s)
             self._ticket = None
         if gamma > 0:
             self._acceptance.observe(accepted, rejected)

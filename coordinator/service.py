@@ -90,6 +90,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             metrics=metrics,
         )
         self.sessions = Sessions(self.ctx)
+        self.ctx.costs.running = lambda: len(self.sessions)  # the batch plans' load level
         self.draining = False  # SIGTERM: ending streams hand sessions over, never cancel them
         self.streams = 0  # Generate and GenerateStream calls being served
         self.attached: dict[str, int] = {}  # session id → its streams (ids sent by clients)

@@ -241,8 +241,8 @@ def test_a_sessions_first_round_at_a_new_plan_gamma_is_not_measured():
             if n > 10 and policy.batched():
                 if gamma != previous[i]:
                     switches += 1
-                    assert not policy._ticket[1], (n, i, previous[i], gamma)
-                counted += policy._ticket[1]
+                    assert not policy._ticket[2], (n, i, previous[i], gamma)
+                counted += policy._ticket[2]
             previous[i] = gamma
             for _ in range(2):  # this session's pass, then one of the others'
                 seq += 1
@@ -308,3 +308,91 @@ def test_after_a_pause_the_plan_starts_again_from_its_own_gamma(after):
     assert after_pause[:3] == [2, 4, 2]  # 2 again; the forecast's 4 probed first
     assert plan.window - plan._started == 8  # the pause started the plan again
     assert plan.best == (2 if after == "same load" else 4)
+
+
+def bursts(per_level: bool, bursts: int = 4, seed: int = 3) -> list[list[int]]:
+    """8 sessions sharing each verify pass in bursts: 240 passes at 16 running sessions
+    (γ = 2 best: round times grow fast with γ), then a tail of 120 at 3 (γ ≥ 4 best), and
+    again. With `per_level` the coordinator tells the cost model its running sessions (one
+    batch plan per load level); without, one plan serves every load. Returns the plan's γ per
+    pass of each burst."""
+    busy = {0: 0.10, 1: 0.15, 2: 0.18, 3: 0.25, 4: 0.31, 5: 0.37, 6: 0.44, 7: 0.50, 8: 0.56}
+    tail = {g: 0.030 + 0.004 * g for g in range(9)}
+    for table, best in ((busy, 2), (tail, 5)):
+        rate = {g: expected_tokens(0.8, g) / t for g, t in table.items()}
+        assert max(rate, key=rate.get) == best
+    costs, running = CostModel(), [16]
+    if per_level:
+        costs.running = lambda: running[0]
+    policies = [AdaptiveGamma(max_gamma=8, costs=costs) for _ in range(8)]
+    sim, rng = Sim(0.8, 0.002, 0.02, 0.0008, 0.003, batch=8), random.Random(seed)
+    plans, seq = [], 0
+    for _ in range(bursts):
+        plans.append([])
+        for table, passes, sessions in ((busy, 240, 16), (tail, 120, 3)):
+            running[0] = sessions
+            for _ in range(passes):
+                seq += 1
+                chosen = {policy.choose() for policy in policies}
+                assert len(chosen) == 1, (seq, chosen)  # one γ per pass
+                gamma = chosen.pop()
+                if sessions == 16:
+                    plans[-1].append(gamma)
+                for policy in policies:
+                    timing = sim.timing(gamma)
+                    timing.batch_seq, timing.worker = seq, "t0"
+                    timing.round_s = table[gamma] * rng.uniform(0.95, 1.05)
+                    accepted = 0
+                    while accepted < gamma and rng.random() < sim.alpha:
+                        accepted += 1
+                    policy.observe(gamma, accepted, accepted < gamma, timing)
+    return plans
+
+
+def test_each_load_level_keeps_its_own_batch_plan():
+    """A burst at 16 sessions (γ = 2 best) after a tail at 3 (γ = 5 best) starts where the
+    last burst ended, from the plan of its own load level. Negative control: one plan for
+    every load starts each burst from what the tail found and loses windows climbing back."""
+    for per_level in (True, False):
+        plans = bursts(per_level)
+        starts = [burst[5:40] for burst in plans[1:]]  # each later burst's first windows
+        at_best = sum(g == 2 for start in starts for g in start) / sum(map(len, starts))
+        if per_level:
+            assert at_best >= 0.7, starts
+        else:
+            assert at_best <= 0.4, starts
+
+
+def test_the_load_level_is_smoothed_and_keeps_a_margin():
+    """The plan in use follows the running sessions on a log scale (16 → level 4, covering
+    about 11–22), smoothed and with a margin of 1/8 past each boundary: a session ending as
+    the next begins, or a load at the boundary, does not switch plans."""
+    costs, running = CostModel(), [16]
+    costs.running = lambda: running[0]
+    levels = []
+    at_boundary = ([11] * 10 + [12] * 10) * 3  # about 11.3: would flip without the margin
+    for count in (
+        [16] * 20 + [15, 16] * 10 + [12] * 30 + [9] * 30 + [11] * 30 + [16] * 30 + at_boundary
+    ):
+        running[0] = count
+        costs._track_load()
+        levels.append(costs.level)
+    assert set(levels[:70]) == {4}  # 16, dips to 15, 12: all level 4
+    assert levels[99] == 3  # 9 sessions: past the margin below 11.3 (10.1)
+    assert set(levels[100:130]) == {3}  # 11: within the level's margin above (12.7), stays
+    assert set(levels[150:]) == {4} and set(costs.plans) == {0, 3, 4}
+
+
+def test_a_plan_in_use_again_after_another_level_drops_its_open_probe():
+    plan = BatchPlan(window_passes=4, settle_passes=1, probe_every=1, max_age=100, min_rounds=2)
+    passes = 0
+    while plan._probe_from is None:  # run windows until one probes
+        gamma = plan.current(passes, 0.7, 4, lambda low: max(low, 2))
+        for _ in range(3):
+            plan.observe(plan.ticket(passes + 1), gamma, 0.1)
+        passes += 1
+    assert plan.gamma != plan.best
+    plan.resume(passes + 2)  # a short gap: the same window goes on
+    assert plan._probe_from is not None
+    plan.resume(passes + 40)  # other levels held 40 passes: dropped, back at the plan's γ
+    assert plan._probe_from is None and plan.gamma == plan.best and plan.start == passes + 40
