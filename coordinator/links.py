@@ -20,6 +20,7 @@ import grpc
 from coordinator.context import RunContext
 from coordinator.pool import Worker
 from coordinator.stats import Stats
+from coordinator.store import LostSession
 from specdec.core.prefix import PrefixDigest
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.serving.telemetry import client_span, flush_soon, span, trace_metadata
@@ -143,7 +144,25 @@ class SessionLinks:
         link.synced = 0
         self.ctx.count("resyncs", tier=tier)
         with span("specdec.resync", tier=tier, tokens=len(committed)):
-            return await self._send(link, tier, method, committed, build, timeout, stable)
+            try:
+                return await self._send(link, tier, method, committed, build, timeout, stable)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    await self._check_still_ours(exc)
+                raise
+
+    async def _check_still_ours(self, refusal: grpc.aio.AioRpcError) -> None:
+        """A worker refused the base even with the whole prefix: when another coordinator
+        has moved the session to a later epoch meanwhile (this one stalled past its lease and
+        the lease renewal has not told it yet), that is a lost session — the run stops and
+        its streams follow the new owner — not a failure."""
+        record = await self.ctx.store.load(self.session_id)
+        if record is None or record.epoch > self.epoch:
+            now = "expired" if record is None else f"at epoch {record.epoch}"
+            raise LostSession(
+                f"session {self.session_id}: a worker refused epoch {self.epoch} (the session "
+                f"is {now})"
+            ) from refusal
 
     async def _send(
         self,

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from types import SimpleNamespace
 
+import grpc
 import pytest
-from store_sessions import LEASE_MS, TTL_S, call, record, snapshot, started
+from store_sessions import LEASE_MS, LEASE_S, TTL_S, call, record, snapshot, started
 
+from coordinator.links import SessionLinks
+from coordinator.stats import Stats
 from coordinator.store import Keys, LostSession, SessionStore
 from specdec.serving.registry import redis_client
 
@@ -173,3 +177,48 @@ def test_release_all_gives_up_only_our_leases(url, db):
     assert not db.exists(Keys.of(ours).lease) and db.get(Keys.of(theirs).lease) == "c2"
     assert call(url, "take_over", ours, "c3") == 1  # at once, not after the lease time
     assert call(url, "release_all", "c1", []) == 0
+
+
+class _RefusingWorker:
+    """A worker that refuses every base (FAILED_PRECONDITION), as one does a stale epoch."""
+
+    address, in_flight = "target-a:1", 0
+
+    def call(self, method: str):
+        async def refuse(request, timeout=None, metadata=None):
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "base.epoch 0 is older than the worker's epoch 1",
+            )
+
+        return refuse
+
+
+@pytest.mark.parametrize("taken_over", [True, False])
+def test_a_worker_refusing_the_epoch_after_a_take_over_is_a_lost_session(url, db, sid, taken_over):
+    """A coordinator that stalled past its lease comes back to a worker refusing its epoch
+    before its lease renewal noticed: when the session has moved to a later epoch that is a
+    lost session (the run stops, its streams follow the new owner), not an internal error.
+    Negative control: at the session's own epoch the refusal stays the worker's error."""
+    call(url, "create", record(sid), "c1")
+    if taken_over:
+        db.delete(Keys.of(sid).lease)  # c1 stalled past its lease
+        assert call(url, "take_over", sid, "c2") == 1
+
+    async def go():
+        r = redis_client(url)
+        try:
+            ctx = SimpleNamespace(
+                store=SessionStore(r, LEASE_S, TTL_S), count=lambda *a, **k: None, owner="c1"
+            )
+            links = SessionLinks(ctx, sid, 0, {}, Stats())
+            links.target.worker = _RefusingWorker()
+            await links._call(links.target, "Verify", [1, 2, 3], lambda base, delta: None, 1.0)
+        finally:
+            await r.aclose()
+
+    expected = LostSession if taken_over else grpc.aio.AioRpcError
+    with pytest.raises(expected):
+        asyncio.run(go())
