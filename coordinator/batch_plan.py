@@ -32,8 +32,10 @@ class BatchPlan:
     side: every `probe_every`-th window tries another γ, and the window at the plan's γ after
     it confirms — the probe replaces the plan only when its rate beats the mean of the plan's
     windows just before and just after it (A/B/A: a steady drift of the load cancels) by
-    `margin`. Probes go in turn to γ = 0 (speculation off), a neighbour of the plan, the cost
-    model's choice among γ ≥ 1, a neighbour again; where a kind's γ is the plan's own or was
+    `margin`. Probes go in turn to γ = 0 (speculation off), a neighbour of the plan, half the
+    plan's γ, a neighbour, the cost model's choice among γ ≥ 1, a neighbour again (half: a
+    plan far too high — under load the forecast says γ = 8 where 2 is best — comes down in a
+    few probes, not one step per probe); where a kind's γ is the plan's own or was
     probed lately, a neighbour instead: γ ± 1, the one probed longest ago (towards the cost
     model's choice on a tie). A probe that wins becomes the plan and is followed at once by
     one more step the same way (unless that γ lost a probe lately), so the plan climbs a step
@@ -48,7 +50,7 @@ class BatchPlan:
     not measured since the last start (a load too light for a window to measure) gives way
     to the forecast, as at the start."""
 
-    PROBES = ("off", "neighbour", "model", "neighbour")
+    PROBES = ("off", "neighbour", "half", "neighbour", "model", "neighbour")
 
     window_passes: int = 4
     settle_passes: int = 1
@@ -193,7 +195,7 @@ class BatchPlan:
         self._since_probe = 0
         kind = self.PROBES[self._probes % len(self.PROBES)]
         self._probes += 1
-        probe = {"off": 0, "model": model_best(1)}.get(kind, best)
+        probe = {"off": 0, "half": best // 2, "model": model_best(1)}.get(kind, best)
         if probe == best or self._fresh(self.ratios.get(probe)):
             # the plan's own or probed lately: a neighbour instead, the one probed longest
             # ago (towards the cost model's choice on a tie)

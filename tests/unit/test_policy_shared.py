@@ -170,8 +170,9 @@ def test_the_batch_plan_climbs_to_the_best_gamma_where_the_model_is_right():
 def test_batch_plan_windows_measure_and_probe():
     """Windows of 4 passes, round times by γ known, a forecast that always says γ = 4 (wrong:
     γ = 2 is best). The plan starts at the forecast, probes after each of its first 3 windows,
-    then every other window - γ = 0, a neighbour (the one probed longest ago), the forecast's
-    γ, a neighbour; a neighbour instead where that γ was probed lately - each probe followed
+    then every other window - γ = 0, a neighbour (the one probed longest ago), half the plan's
+    γ, a neighbour, the forecast's γ, a neighbour; a neighbour instead where that γ is the
+    plan's or was probed lately - each probe followed
     by a window at the plan's γ that confirms it (A/B/A), goes on the same way after a probe
     that wins, and moves to the best γ. Rounds chosen before a window settled, at another γ
     or in another window do not count."""
@@ -196,9 +197,9 @@ def test_batch_plan_windows_measure_and_probe():
                 plan.observe(ticket, gamma + 1, 9.0)
         passes += 4
     # 4; probe 0, 4 confirms it lost; the only neighbour 3, 4 confirms it won, so on at
-    # once to 2, 3 confirms it won, on to 1, 2 confirms it lost: 2 is the plan; the
-    # forecast's 4 (never probed: the plan started there); 2 confirming
-    assert windows == [4, 0, 4, 3, 4, 2, 3, 1, 2, 2, 4, 2]
+    # once to 2, 3 confirms it won, on to 1, 2 confirms it lost: 2 is the plan; half of 2
+    # is 1, probed lately: the neighbour probed longest ago, 3; 2 confirming
+    assert windows == [4, 0, 4, 3, 4, 2, 3, 1, 2, 2, 3, 2]
     assert plan.ratios[0][0] < 1 and plan.ratios[1][0] < 1 < plan.ratios[2][0]
     assert plan.best == 2
     assert plan.rate(2, 0.7) == pytest.approx(rate[2])  # only the rounds that count
@@ -396,3 +397,32 @@ def test_a_plan_in_use_again_after_another_level_drops_its_open_probe():
     assert plan._probe_from is not None
     plan.resume(passes + 40)  # other levels held 40 passes: dropped, back at the plan's γ
     assert plan._probe_from is None and plan.gamma == plan.best and plan.start == passes + 40
+
+
+class _PlanWithoutHalf(BatchPlan):
+    PROBES = ("off", "neighbour", "model", "neighbour")  # the probes before "half"
+
+
+def test_a_plan_far_too_high_comes_down_by_halves():
+    """A forecast of γ = 8 where 3 is best (a hidden wait per candidate, as under load): the
+    probes at half the plan's γ bring it down within the first 150 passes. Mean over six
+    seeds of the rate there, as a fraction of the best; negative control: the probes before
+    (one step a probe) stay higher for longer."""
+
+    def early(plan_class) -> float:
+        fractions = []
+        for seed in range(6):
+            sim = Sim(0.8, 0.0005, 0.02, 0.0001, 0.001, batch=8, seed=seed)
+            wait = lambda gamma: 0.006 * gamma  # noqa: E731
+            true_rate = lambda g: expected_tokens(0.8, g) / (sim.timing(g).round_s + wait(g))  # noqa: E731, B023
+            best = max(range(9), key=true_rate)
+            assert best == 3
+            costs = CostModel()
+            costs.plans[0] = plan_class()
+            plan, policy = batched_run(costs, sim, 150, wait, seed=seed)
+            assert max(plan[:30]) == 8  # the plan started at the forecast: far too high
+            fractions.append(sum(map(true_rate, plan)) / len(plan) / true_rate(best))
+        return sum(fractions) / len(fractions)
+
+    assert early(BatchPlan) >= 0.93
+    assert early(_PlanWithoutHalf) < 0.92
