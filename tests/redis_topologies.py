@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from specdec.serving.redis_embedded import free_port, redis_server_binary
 
@@ -54,6 +56,10 @@ def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> 
     raise TimeoutError(f"{what} not within {timeout_s}s (last error: {last!r})")
 
 
+class PortTaken(RuntimeError):
+    """A redis-server could not bind the port picked for it: another process took it."""
+
+
 class Processes:
     """redis-server processes in one temporary directory; `close()` stops them all."""
 
@@ -77,20 +83,34 @@ class Processes:
         self.running[port] = process
         return process
 
-    def ready(self, port: int, client: redis.Redis, timeout_s: float) -> None:
-        """Wait for PONG from the process on `port`; its log in the error when it died."""
+    def ready(self, port: int, password: str, timeout_s: float) -> None:
+        """Wait for PONG from the process on `port`; its log in the error when it died.
+        Each ping is one try of 0.5 s (redis-py retries 10 times by default): a port taken
+        by another process may accept and never answer, and the process's exit decides."""
+        client = redis.Redis(
+            host="127.0.0.1", port=port, password=password or None, socket_timeout=0.5,
+            socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0),
+        )  # fmt: skip
+        try:
+            self._wait_for_pong(port, client, timeout_s)
+        finally:
+            client.close()
+
+    def _wait_for_pong(self, port: int, client: redis.Redis, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while True:
             if self.running[port].poll() is not None:
                 with open(os.path.join(self.dir, f"redis-{port}.log"), errors="replace") as f:
                     tail = f.read()[-2000:]
-                raise RuntimeError(f"redis-server on {port} exited:\n{tail}")
+                error = PortTaken if "Address already in use" in tail else RuntimeError
+                raise error(f"redis-server on {port} exited:\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"redis-server on {port} did not answer within {timeout_s}s")
             try:
                 if client.ping():
                     return
             except (redis.RedisError, OSError):
                 time.sleep(0.05)
-        raise TimeoutError(f"redis-server on {port} did not answer within {timeout_s}s")
 
     def kill(self, port: int) -> None:
         process = self.running.pop(port)
@@ -120,7 +140,9 @@ def admin(port: int, password: str) -> redis.Redis:
 
 
 class _Topology:
-    """Processes started by `_start()` (stopped again if it fails), as a context manager."""
+    """Processes started by `_start()` (stopped again if it fails), as a context manager.
+    Ports are picked free beforehand (redis-server cannot report one it chose itself), so
+    a start that lost a port to another process starts again on new ones, up to 5 times."""
 
     prefix = "specdec-redis-"
     password: str
@@ -132,13 +154,23 @@ class _Topology:
         return admin(port, self.password)
 
     def start(self):
-        self.processes = Processes(self.prefix)
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(5):
+            self.processes = Processes(self.prefix)
+            try:
+                self._start()
+                return self
+            except PortTaken:
+                self.stop()
+                if attempt == 4:
+                    raise
+                self._pick_ports()
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _pick_ports(self) -> None:
+        raise NotImplementedError
 
     def _start(self) -> None:
         raise NotImplementedError
@@ -166,9 +198,13 @@ class LocalCluster(_Topology):
         if nodes < 3:
             raise ValueError("a Redis Cluster needs at least 3 primaries")
         super().__init__()
-        self.ports = [cluster_port() for _ in range(nodes)]
+        self.nodes = nodes
+        self._pick_ports()
         self.password = secrets.token_urlsafe(16) if password is None else password
         self.timeout_s = timeout_s
+
+    def _pick_ports(self) -> None:
+        self.ports = [cluster_port() for _ in range(self.nodes)]
 
     @property
     def url(self) -> str:
@@ -187,9 +223,9 @@ class LocalCluster(_Topology):
                 "--appendonly", "no",
                 "--save", "",
             )  # fmt: skip
+        for port in self.ports:
+            self.processes.ready(port, self.password, self.timeout_s)
         clients = [self.node(port) for port in self.ports]
-        for port, client in zip(self.ports, clients):
-            self.processes.ready(port, client, self.timeout_s)
         first = clients[0]
         for port in self.ports[1:]:
             first.execute_command("CLUSTER", "MEET", "127.0.0.1", port)
@@ -239,8 +275,11 @@ class LocalSentinel(_Topology):
         self.name = name
         self.password = secrets.token_urlsafe(16) if password is None else password
         self.sentinel_password = sentinel_password
-        self.master_port, self.replica_port, self.sentinel_port = (free_port() for _ in "abc")
+        self._pick_ports()
         self.timeout_s = timeout_s
+
+    def _pick_ports(self) -> None:
+        self.master_port, self.replica_port, self.sentinel_port = (free_port() for _ in "abc")
 
     @property
     def url(self) -> str:
@@ -258,8 +297,7 @@ class LocalSentinel(_Topology):
         replica = ("--replicaof", "127.0.0.1", str(self.master_port))
         self.processes.spawn(self.replica_port, auth, *plain, *replica)
         for port in (self.master_port, self.replica_port):
-            with self.node(port) as client:
-                self.processes.ready(port, client, self.timeout_s)
+            self.processes.ready(port, self.password, self.timeout_s)
         with self.node(self.replica_port) as client:
             wait_until(
                 lambda: client.info("replication").get("master_link_status") == "up",
@@ -277,8 +315,8 @@ class LocalSentinel(_Topology):
                 f.write(f"requirepass {self.sentinel_password}\n")
         os.chmod(conf, 0o600)
         self.processes.spawn(self.sentinel_port, "", conf, "--sentinel")
+        self.processes.ready(self.sentinel_port, self.sentinel_password, self.timeout_s)
         with self.sentinel() as sentinel:
-            self.processes.ready(self.sentinel_port, sentinel, self.timeout_s)
             wait_until(
                 lambda: any(
                     r["port"] == self.replica_port and "s_down" not in r["flags"]

@@ -52,6 +52,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _ExitedEarly(RuntimeError):
+    """redis-server exited before it answered (most often: its port was taken)."""
+
+
 class EmbeddedRedis:
     """A real redis-server on 127.0.0.1; use as a context manager or start()/stop().
 
@@ -62,6 +66,9 @@ class EmbeddedRedis:
 
     def __init__(self, port: int = 0, password: str | None = None, data_dir: str = ""):
         self.port = port or free_port()
+        # A port picked here can be taken by another process before redis-server binds it;
+        # the first start then moves to another free port (a given port, or a restart, never).
+        self._port_picked = not port
         self.persistent = bool(data_dir)
         if data_dir:
             os.makedirs(data_dir, mode=0o700, exist_ok=True)
@@ -79,6 +86,18 @@ class EmbeddedRedis:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        """Start redis-server and wait for its PONG. When the port was picked here and the
+        server exits at once (the port was taken meanwhile), up to 4 more free ports."""
+        for attempt in range(5):
+            try:
+                return self._start_once(timeout_s)
+            except _ExitedEarly:
+                if not self._port_picked or attempt == 4:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> EmbeddedRedis:
         # The password goes in on stdin as a config file, never on the command line (which
         # any local user can read in /proc).
         config = f"requirepass {self.password}\n" if self.password else ""
@@ -113,7 +132,7 @@ class EmbeddedRedis:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with code {self.process.returncode}")
+                raise _ExitedEarly(f"redis-server exited with code {self.process.returncode}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(hello.encode())
@@ -141,6 +160,7 @@ class EmbeddedRedis:
     def restart(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         """Start again on the same port, directory and password (after a crash or stop)."""
         self.stop(keep_data=True)
+        self._port_picked = False
         return self.start(timeout_s)
 
     def __enter__(self) -> EmbeddedRedis:

@@ -9,6 +9,7 @@ cluster, a failover."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 import uuid
 
@@ -16,7 +17,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.cluster import RedisCluster as SyncCluster
-from redis_topologies import LocalCluster, LocalSentinel
+from redis_topologies import LocalCluster, LocalSentinel, PortTaken
 from store_sessions import LEASE_S, TTL_S, exercise_store, record, started
 from test_store import (  # noqa: F401 - collected again here, on each topology
     test_an_id_cannot_reach_another_sessions_keys,
@@ -48,6 +49,7 @@ from test_store_leases import (  # noqa: F401 - collected again here, on each to
 )
 
 from coordinator.store import Keys, SessionStore
+from specdec.serving.redis_embedded import EmbeddedRedis
 from specdec.serving.registry import (
     REDIS_ACL,
     RedisConfigError,
@@ -338,3 +340,41 @@ def test_a_malformed_url_fails_the_start_naming_the_flag(bad, why, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert "--redis-url" in err and why in err
+
+
+def test_a_port_taken_before_redis_binds_it_moves_the_start_to_new_ports(monkeypatch):
+    """Ports are picked free before redis-server starts, so another process can take one
+    first (CI: a Sentinel's 'bind: Address already in use'). The embedded Redis and the
+    test topologies then start on new free ports; a port the caller gave never moves, and
+    a topology that could not re-pick would fail (the negative controls)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        embedded = EmbeddedRedis()
+        embedded.port = port  # as if another process took the picked port meanwhile
+        with embedded:
+            assert embedded.port != port
+            assert redis.Redis.from_url(embedded.url).ping()
+        with pytest.raises(RuntimeError, match="exited"):
+            EmbeddedRedis(port=port).start(timeout_s=5)
+
+        topology = LocalSentinel()
+        topology.sentinel_port = port
+        with topology:
+            assert topology.sentinel_port != port
+            assert topology.master() == topology.master_port
+
+        cluster = LocalCluster(nodes=3)
+        cluster.ports[1] = port
+        with cluster:
+            assert port not in cluster.ports
+            key = "probe"
+            assert cluster.node_of(key) in cluster.ports
+
+        stuck = LocalSentinel()
+        monkeypatch.setattr(stuck, "_pick_ports", lambda: None)
+        stuck.sentinel_port = port
+        with pytest.raises(PortTaken, match="Address already in use"):
+            stuck.start()
