@@ -46,7 +46,33 @@ def _kept_password(path: str) -> str:
         return password
 
 
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux default 32768)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A loopback port free now, for a server that must be told its port before it binds.
+
+    It is drawn at random below the kernel's ephemeral range (from 20000 up): a port taken
+    from bind(0) lies inside that range, where any outgoing connection of any process (gRPC
+    and Redis clients open them all the time) can take it before the server binds it. Below
+    the range only another server can, and two random draws rarely meet. Where the range
+    leaves no room, bind(0) as before."""
+    low = _ephemeral_low()
+    if low > 21024:
+        for _ in range(64):
+            port = 20000 + secrets.randbelow(low - 20000)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
