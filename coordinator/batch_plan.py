@@ -32,10 +32,11 @@ class BatchPlan:
     side: every `probe_every`-th window tries another γ, and the window at the plan's γ after
     it confirms — the probe replaces the plan only when its rate beats the mean of the plan's
     windows just before and just after it (A/B/A: a steady drift of the load cancels) by
-    `margin`. Probes go in turn to γ = 0 (speculation off), a neighbour of the plan, half the
-    plan's γ, a neighbour, the cost model's choice among γ ≥ 1, a neighbour again (half: a
-    plan far too high — under load the forecast says γ = 8 where 2 is best — comes down in a
-    few probes, not one step per probe); where a kind's γ is the plan's own or was
+    `margin`. Probes go in turn to half the plan's γ, a neighbour of the plan, the cost
+    model's choice among γ ≥ 1, a neighbour, γ = 0 (speculation off), a neighbour again
+    (half first: a plan far too high — under load the forecast says γ = 7 or 8 where 2 is
+    best — comes down in a few probes, not one step per probe; where the forecast is right
+    the first probe loses one window); where a kind's γ is the plan's own or was
     probed lately, a neighbour instead: γ ± 1, the one probed longest ago (towards the cost
     model's choice on a tie). A probe that wins becomes the plan and is followed at once by
     one more step the same way (unless that γ lost a probe lately), so the plan climbs a step
@@ -48,7 +49,9 @@ class BatchPlan:
     windows had found 2, docs/benchmarks.md), with a probe after each of its first 3 windows,
     the first of them at the forecast's choice, so a load unlike the last one moves it. A γ
     not measured since the last start (a load too light for a window to measure) gives way
-    to the forecast, as at the start."""
+    to the forecast, as at the start. A probe cut short by a switch to another load level's
+    plan (`resume`), while it measured or after it measured ahead of the plan but before the
+    confirming window, is the first probe when the level is back."""
 
     PROBES = ("off", "neighbour", "half", "neighbour", "model", "neighbour")
 
@@ -73,7 +76,10 @@ class BatchPlan:
         self.ratios: dict[int, tuple[float, int]] = {}  # γ -> (its last probe / the plan, pass)
         self.passes = 0  # the latest verify pass number seen
         self._since_probe = self.probe_every - 1  # the first probe after the first window
-        self._probes = 0
+        # the first probe halves the forecast's γ (under load it runs high; where it is
+        # right, the probe loses one window); then the rotation on from there
+        self._probes = self.PROBES.index("half") if "half" in self.PROBES else 0
+        self._retry: int | None = None  # a probe `resume` dropped, to probe again first
         self._probe_from: int | None = None  # the plan's γ when this window is a probe
         self._before: float | None = None  # the plan's rate in the window before the probe
         self._pending: tuple[int, float, float, int] | None = None  # a probe awaiting its
@@ -101,6 +107,12 @@ class BatchPlan:
         would not be side by side — and a new one begins at the plan's γ."""
         if self.gamma is None or passes - self.passes <= self.window_passes:
             return
+        if self._probe_from is not None:  # a probe still measuring: it goes again
+            self._retry = self.gamma
+        elif self._pending is not None and self._pending[1] > self._pending[2]:
+            self._retry = self._pending[0]  # a probe ahead, unconfirmed: it goes again
+        if self._retry is not None:
+            self._since_probe = self.probe_every  # at the close of the plan's next window
         self._probe_from = self._pending = None
         self.passes = passes
         self._begin(passes, self.best)
@@ -193,9 +205,11 @@ class BatchPlan:
             self._begin(passes, best)
             return
         self._since_probe = 0
-        kind = self.PROBES[self._probes % len(self.PROBES)]
-        self._probes += 1
-        probe = {"off": 0, "half": best // 2, "model": model_best(1)}.get(kind, best)
+        probe, self._retry = self._retry, None
+        if probe is None or probe == best or probe > max_gamma:
+            kind = self.PROBES[self._probes % len(self.PROBES)]
+            self._probes += 1
+            probe = {"off": 0, "half": best // 2, "model": model_best(1)}.get(kind, best)
         if probe == best or self._fresh(self.ratios.get(probe)):
             # the plan's own or probed lately: a neighbour instead, the one probed longest
             # ago (towards the cost model's choice on a tie)
