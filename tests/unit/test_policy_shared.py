@@ -2,11 +2,12 @@
 the batch plan of sessions that share verify passes, against simulated rounds."""
 
 import random
+import statistics
 
 import pytest
 from policy_sim import Sim
 
-from coordinator.batch_plan import BatchPlan
+from coordinator.batch_plan import BatchPlan, typical_round_s
 from coordinator.cost_model import CostModel, RoundTiming
 from coordinator.policy import AdaptiveGamma
 from specdec.core.perf_model import expected_tokens
@@ -418,7 +419,9 @@ def test_a_probe_another_level_cut_short_goes_again_first(cut):
     round_s = {0: 0.10, 1: 0.12, 2: 0.135, 3: 0.16, 4: 0.2}
 
     def after_the_cut(plan_class):
-        plan = plan_class(window_passes=4, settle_passes=1, probe_every=2, max_age=100, min_rounds=2)
+        plan = plan_class(
+            window_passes=4, settle_passes=1, probe_every=2, max_age=100, min_rounds=2
+        )
         count = 2 if cut == "while measuring" else 3
         windows, passes = _run_windows(plan, 0, count, round_s)
         assert windows == [4, 2, 4][:count]
@@ -466,3 +469,17 @@ def test_a_plan_far_too_high_comes_down_by_halves():
     assert early(BatchPlan) >= 0.955  # measured 0.965
     assert early(_PlanOffFirst) < 0.95  # the first probe at γ = 0: 0.935
     assert early(_PlanWithoutHalf) < 0.92
+
+
+def test_a_window_charges_a_long_tail_but_not_a_prefill():
+    """A window's round time is the mean of its rounds without the slowest eighth: one
+    prefill (a round 10× longer) among 33 moves it by under 1 %, while a tail of slow rounds
+    (every fifth round 1.5× longer, as speculating rounds under load) is charged in part:
+    5 % above the median, which charges none of it (the negative control)."""
+    prefill = [0.08] * 32 + [0.8]
+    assert typical_round_s(prefill) == pytest.approx(0.08, rel=0.01)
+    assert statistics.fmean(prefill) > 1.25 * 0.08  # the plain mean would not do
+    tail = [0.08 if i % 5 else 0.12 for i in range(33)]
+    assert statistics.median(tail) == 0.08
+    assert 1.04 * 0.08 < typical_round_s(tail) < statistics.fmean(tail)
+    assert typical_round_s([0.1, 0.1, 0.1, 1.0]) == pytest.approx(0.1)  # a short window too
