@@ -32,8 +32,9 @@ class BatchPlan:
     under load the round time hangs on how sessions fall into passes (two groups alternating
     on the target while the other drafts, a queue), which no affine fit of one pass sees. So
     in batches γ is held for a window of `window_passes` verify passes, and each window's
-    rounds at that γ measure its round time: the median (a new session's prefill makes a few
-    rounds many times longer) of the rounds chosen `settle_passes` after the window began,
+    rounds at that γ measure its round time: the mean without the slowest eighth
+    (`typical_round_s`: a new session's prefill makes a few rounds many times longer) of
+    the rounds chosen `settle_passes` after the window began,
     when every session has switched, leaving out each session's first rounds; its rate is
     E(α̂, γ) / that time.
 
@@ -82,7 +83,7 @@ class BatchPlan:
         self.window = 0  # this window's number
         self.start = 0  # the verify pass it began at
         self.times: list[float] = []  # its measured rounds' times
-        self.measured: dict[int, tuple[float, int]] = {}  # γ -> (median round s, at pass)
+        self.measured: dict[int, tuple[float, int]] = {}  # γ -> (typical round s, at pass)
         self.ratios: dict[int, tuple[float, int]] = {}  # γ -> (its last probe / the plan, pass)
         self.passes = 0  # the latest verify pass number seen
         self._since_probe = self.probe_every - 1  # the first probe after the first window
