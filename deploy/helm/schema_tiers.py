@@ -173,9 +173,10 @@ def coordinator() -> Schema:
             "leaseS": number(positive=True, nullable=True),
             "sessionTtlS": number(positive=True, nullable=True),
             "workerTimeoutS": number(positive=True, nullable=True),
+            "pipeline": string(["auto", "on", "off"], nullable=True),
         },
         {
-            "discovery": string(["kubernetes", "redis"]),
+            "discovery": string(["kubernetes", "redis", "static"]),
             "tokenizerPath": {"type": "string", "minLength": 1},
             "httpPort": integer(0, 65535),  # 0 = off
             "service": obj(

@@ -114,6 +114,35 @@ def test_redis_discovery_needs_no_api_access(chart):
     assert allowed_flows(objects) == documented_flows(api_server=set())
 
 
+def test_static_discovery_uses_the_configured_addresses_alone(chart):
+    """--discovery static: the workers are the configured addresses (both required, checked
+    when the chart renders); no Role, no token, no API server egress — as with redis."""
+    addresses = {"draftAddr": "10.1.0.5:50061", "targetAddr": "10.1.0.6:50071,10.1.0.7:50071"}
+    objects = render(chart, {"coordinator": {"discovery": "static", "config": addresses}})
+    assert container(objects, "coordinator")["args"] == ["--discovery", "static"]
+    variables = env(objects, "coordinator")
+    assert variables["SPECDEC_DRAFT_ADDR"] == addresses["draftAddr"]
+    assert variables["SPECDEC_TARGET_ADDR"] == addresses["targetAddr"]
+    assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding")]
+    assert pod_spec(objects, "coordinator")["automountServiceAccountToken"] is False
+    assert allowed_flows(objects) == documented_flows(api_server=set())
+    for missing in ("draftAddr", "targetAddr"):  # negative controls: one list left empty
+        config = {**addresses, missing: ""}
+        with pytest.raises(helm.HelmError, match="discovery static: set coordinator.config"):
+            render(chart, {"coordinator": {"discovery": "static", "config": config}})
+
+
+@pytest.mark.parametrize("value", ["auto", "on", "off"])
+def test_pipeline_is_a_coordinator_value(chart, value):
+    """coordinator.config.pipeline reaches the coordinator as SPECDEC_PIPELINE; unset, the
+    program's default (auto) holds; the schema refuses any other word."""
+    assert "SPECDEC_PIPELINE" not in env(render(chart), "coordinator")
+    objects = render(chart, {"coordinator": {"config": {"pipeline": value}}})
+    assert env(objects, "coordinator")["SPECDEC_PIPELINE"] == value
+    with pytest.raises(helm.HelmError, match="pipeline"):
+        render(chart, {"coordinator": {"config": {"pipeline": "sometimes"}}})
+
+
 def test_discovery_with_an_existing_account_binds_that_account(chart):
     objects = render(chart, {"serviceAccount": {"create": False, "name": "specdec-runner"}})
     assert not [o for o in objects if o["kind"] == "ServiceAccount"]
