@@ -5,6 +5,7 @@ every process it started and removes its files, also when a test fails."""
 
 from __future__ import annotations
 
+import abc
 import os
 import secrets
 import shutil
@@ -19,7 +20,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from specdec.serving.redis_embedded import free_port, redis_server_binary
+from specdec.serving.redis_embedded import free_port, on_free_ports, redis_server_binary
 
 SLOTS = 16384
 BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000 (the cluster bus)
@@ -139,7 +140,7 @@ def admin(port: int, password: str) -> redis.Redis:
     )  # fmt: skip
 
 
-class _Topology:
+class _Topology(abc.ABC):
     """Processes started by `_start()` (stopped again if it fails), as a context manager.
     Ports are picked free beforehand (redis-server cannot report one it chose itself), so
     a start that lost a port to another process starts again on new ones, up to 5 times."""
@@ -154,26 +155,24 @@ class _Topology:
         return admin(port, self.password)
 
     def start(self):
-        for attempt in range(5):
-            self.processes = Processes(self.prefix)
-            try:
-                self._start()
-                return self
-            except PortTaken:
-                self.stop()
-                if attempt == 4:
-                    raise
-                self._pick_ports()
-            except BaseException:
-                self.stop()
-                raise
-        raise AssertionError("unreachable")
+        return on_free_ports(self._start_fresh, self._pick_ports, PortTaken)
 
+    def _start_fresh(self):
+        self.processes = Processes(self.prefix)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @abc.abstractmethod
     def _pick_ports(self) -> None:
-        raise NotImplementedError
+        """Pick free ports for every process of the topology."""
 
+    @abc.abstractmethod
     def _start(self) -> None:
-        raise NotImplementedError
+        """Start the processes on the picked ports and wait until they serve."""
 
     def stop(self) -> None:
         if self.processes is not None:

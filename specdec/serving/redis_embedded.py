@@ -12,6 +12,10 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def redis_server_binary() -> str:
@@ -78,6 +82,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def on_free_ports(start: Callable[[], T], repick: Callable[[], None], taken: type[Exception]) -> T:
+    """`start()`, and when it fails with `taken` (a port picked beforehand was taken before
+    the server bound it), `repick()` and again, up to 5 starts in all."""
+    for _ in range(4):
+        try:
+            return start()
+        except taken:
+            repick()
+    return start()
+
+
 class _ExitedEarly(RuntimeError):
     """redis-server exited before it answered (most often: its port was taken)."""
 
@@ -114,14 +129,12 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         """Start redis-server and wait for its PONG. When the port was picked here and the
         server exits at once (the port was taken meanwhile), up to 4 more free ports."""
-        for attempt in range(5):
-            try:
-                return self._start_once(timeout_s)
-            except _ExitedEarly:
-                if not self._port_picked or attempt == 4:
-                    raise
-                self.port = free_port()
-        raise AssertionError("unreachable")
+        if not self._port_picked:
+            return self._start_once(timeout_s)
+        return on_free_ports(lambda: self._start_once(timeout_s), self._repick, _ExitedEarly)
+
+    def _repick(self) -> None:
+        self.port = free_port()
 
     def _start_once(self, timeout_s: float) -> EmbeddedRedis:
         # The password goes in on stdin as a config file, never on the command line (which

@@ -276,8 +276,6 @@ SETTINGS = {
     "draftWorker": ("draft_worker.__main__", "DraftSettings"),
     "targetWorker": ("target_worker.__main__", "TargetSettings"),
 }
-# values the chart leaves out on purpose (none now: discovery static came in with its check)
-NARROWER: dict[tuple[str, str], set[str]] = {}
 
 
 def schema_mismatches(schema: dict, settings: dict[str, type]) -> list[str]:
@@ -296,7 +294,7 @@ def schema_mismatches(schema: dict, settings: dict[str, type]) -> list[str]:
                 continue
             enum = {v for v in spec.get("enum", []) if v is not None}
             choices = set(field.metadata.get("choices", []))
-            if enum != choices - NARROWER.get((tier, key), set()):
+            if enum != choices:
                 problems.append(f"{tier}.{key}: schema {sorted(enum)}, flag {sorted(choices)}")
             pattern = field.metadata.get("pattern")
             if pattern and "pattern" not in spec:
