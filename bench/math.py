@@ -4,7 +4,7 @@
 
 For each vocabulary (8k, 49k SmolLM2, 128k Llama 3, 262k Gemma 3) × batch (1, 16, 64) ×
 mode (greedy; sampling at temperature 0.8, top-p 0.95), γ = 4, K = 32 wire entries, the
-median of `REPEATS` calls (batch 1 takes the small-batch path, `specdec.core.processed.few_rows`):
+median of `REPEATS` calls (batch 1 takes the small-batch path, `specdec.core.few_rows`):
   - hot path (what the workers run): `propose_step` for one draft step; `verify_logits` for
     one verify pass, from the target's float32 logits [B, γ+1, vocab] and the sparse q̃;
   - dense reference (the math before): `batched_probs` + `dense_q` + `verify_block`, and a

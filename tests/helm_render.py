@@ -283,3 +283,18 @@ TLS_VALUES = {
 
 def pod_spec(objects, comp: str) -> dict[str, Any]:
     return find(objects, "Deployment", comp)["spec"]["template"]["spec"]
+
+
+def mounted_secret(objects, comp: str, path: str) -> str:
+    """The Secret behind the file `path` of a tier's container: it must sit directly in a
+    read-only mount of a whole Secret volume (no subPath, or rotation would not reach it)."""
+    mounts = [
+        m for m in container(objects, comp)["volumeMounts"] if path.startswith(m["mountPath"] + "/")
+    ]
+    assert len(mounts) == 1, f"{comp}: {path} is in no mount"
+    mount = mounts[0]
+    assert "subPath" not in mount and "subPathExpr" not in mount
+    assert mount["readOnly"] is True
+    assert "/" not in path[len(mount["mountPath"]) + 1 :]  # a key of the Secret itself
+    volume = next(v for v in pod_spec(objects, comp)["volumes"] if v["name"] == mount["name"])
+    return volume["secret"]["secretName"]

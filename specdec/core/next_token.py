@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from specdec.core.few_rows import few_rows, row_index
 from specdec.core.logsum import CHUNK, chunk_sums
-from specdec.core.processed import Processed, few_rows, row_index
+from specdec.core.processed import Processed
 from specdec.core.proposal import dense_q, sparse_q
 from specdec.core.sampling import inverse_cdf_index, sample_inverse_cdf
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.core.few_rows import few_rows
 from specdec.core.params import SamplingParams
-from specdec.core.processed import WINDOW, ProcessorParams, few_rows, process
+from specdec.core.processed import WINDOW, ProcessorParams, process
 from specdec.core.reduce import first_argmax
 from specdec.core.rng import Stream, uniform, uniform_scalar
 from specdec.core.sampling import inverse_cdf_index, sample_inverse_cdf

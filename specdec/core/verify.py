@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.core.few_rows import few_rows, row_index
 from specdec.core.next_token import draw_next, sample_next, sample_next_few
-from specdec.core.processed import Processed, ProcessorParams, few_rows, process, row_index
+from specdec.core.processed import Processed, ProcessorParams, process
 from specdec.core.proposal import sparse_q
 from specdec.core.reduce import first_argmax
 from specdec.core.rng import Stream, uniform, uniform_scalar

@@ -23,9 +23,9 @@ from test_small_batch_math import (
     verify_round,
 )
 
+from specdec.core import few_rows as few_rows_mod
 from specdec.core import fixed
 from specdec.core import graphs as graphs_mod
-from specdec.core import processed as processed_mod
 from specdec.core.graphs import SamplingGraphs, _bucket
 from specdec.core.params import SamplingParams
 from specdec.core.processed import ProcessorParams
@@ -38,7 +38,7 @@ from specdec.core.verify import verify_logits
 def torch_path(monkeypatch):
     """The eager reference on its tensor path (the small-batch path is compared with it in
     tests/unit/test_small_batch_math.py)."""
-    monkeypatch.setattr(processed_mod, "FEW_ROWS", 0)
+    monkeypatch.setattr(few_rows_mod, "FEW_ROWS", 0)
 
 
 # log Z: rows the fixed path finishes from the histogram add float64 masses in another order

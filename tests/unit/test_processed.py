@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from specdec.core import few_rows as few_rows_mod
 from specdec.core import logsum as logsum_mod
 from specdec.core import nucleus as nucleus_mod
 from specdec.core import processed as processed_mod
@@ -232,11 +233,10 @@ def test_the_draft_step_makes_no_whole_row_pass_for_temperature_alone(monkeypatc
     if skip:
         monkeypatch.setattr(processed_mod, "_thresholds", real_thresholds)
     passes = []
-    monkeypatch.setattr(
-        processed_mod,
-        "full_lse",
-        lambda x, *a, **kw: passes.append(len(x)) or real_full(x, *a, **kw),
-    )
+    for module in (processed_mod, few_rows_mod):  # the tensor path and the small-batch path
+        monkeypatch.setattr(
+            module, "full_lse", lambda x, *a, **kw: passes.append(len(x)) or real_full(x, *a, **kw)
+        )
     step = propose_step(*args)
     assert torch.equal(step.tokens, reference.tokens)
     assert torch.equal(step.dist_ids, reference.dist_ids)

@@ -6,7 +6,7 @@ verify processed in a narrower window than its neighbours, drawn from its whole 
 import pytest
 import torch
 
-from specdec.core import processed as processed_mod
+from specdec.core import few_rows as few_rows_mod
 from specdec.core.next_token import draw_next, sample_next
 from specdec.core.params import SamplingParams
 from specdec.core.processed import Processed, ProcessorParams, process
@@ -116,9 +116,9 @@ def mixed_window_rounds(rounds: int = 200) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("few", [processed_mod.FEW_ROWS, 0])
+@pytest.mark.parametrize("few", [few_rows_mod.FEW_ROWS, 0])
 def test_a_row_from_a_narrower_window_is_drawn_from_its_whole_kept_set(monkeypatch, few):
-    monkeypatch.setattr(processed_mod, "FEW_ROWS", few)
+    monkeypatch.setattr(few_rows_mod, "FEW_ROWS", few)
     assert len(set(mixed_window_rounds())) > 150  # uniform over 8192: ~197 distinct of 200
 
 

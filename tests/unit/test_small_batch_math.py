@@ -13,6 +13,7 @@ import random
 
 import torch
 
+from specdec.core import few_rows as few_rows_mod
 from specdec.core import processed as processed_mod
 from specdec.core import verify as verify_mod
 from specdec.core.params import SamplingParams
@@ -60,7 +61,7 @@ def on_both_paths(monkeypatch, fn, *args):
     """(fn(*args) on the small-batch path, fn(*args) on the torch path)."""
     results = []
     for few in (FAST, TORCH):
-        monkeypatch.setattr(processed_mod, "FEW_ROWS", few)
+        monkeypatch.setattr(few_rows_mod, "FEW_ROWS", few)
         results.append(fn(*args))
     return results
 
@@ -215,23 +216,23 @@ def test_inverse_cdf_index_is_sample_inverse_cdf():
 
 def test_negative_control_a_slightly_different_top_p_is_caught(monkeypatch):
     """The small-batch path cutting at 0.1 % less top-p: some τ differ."""
-    real = processed_mod._cuts_few
+    real = processed_mod.cuts_few
 
     def nudged(logits, pp, z, *rest):
         top_p = torch.where(pp.top_p < 1.0, pp.top_p * (1 - 1e-3), pp.top_p)
         return real(logits, ProcessorParams(pp.temperature, pp.top_k, top_p, pp.min_p), z, *rest)
 
-    monkeypatch.setattr(processed_mod, "_cuts_few", nudged)
+    monkeypatch.setattr(processed_mod, "cuts_few", nudged)
     assert compare_process(monkeypatch, 300, seed=6)[1] > 0
 
 
 def test_negative_control_a_window_one_ulp_off_is_caught(monkeypatch):
     """The small-batch path deciding on window values one ulp up: the bitwise comparison
     sees it (as it would see an exp or a sum that rounds differently from torch's)."""
-    real = processed_mod._cuts_few
+    real = processed_mod.cuts_few
     monkeypatch.setattr(
         processed_mod,
-        "_cuts_few",
+        "cuts_few",
         lambda logits, pp, z, *rest: real(
             logits, pp, torch.nextafter(z, torch.tensor(float("inf"))), *rest
         ),
