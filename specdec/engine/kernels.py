@@ -21,6 +21,12 @@ import torch
 KERNELS = ("auto", "packed", "default")
 PACK_ROWS_HINT = 8  # the row count oneDNN tunes the reorder for; any count works
 CHECK_RTOL = 1e-4  # agreement with F.linear a packed layer must show at load
+# Fewer rows than this are padded with zero rows up to it: oneDNN's kernel for one or two
+# rows streams a weight that is not in cache more slowly than its kernel for four (whole
+# forwards at 1 thread, weights from memory: a SmolLM2 step 54.5 -> 47.3 ms, a 2-token
+# verify 66.4 -> 49.8 ms, the code target's 20.7 -> 19.3 and 22.7 -> 19.9 ms; one layer
+# alone, its weight in cache, is not slower at one row). docs/benchmarks.md, "Four rows".
+MIN_ROWS = 4
 
 
 class PackedLinear(torch.nn.Module):
@@ -34,9 +40,14 @@ class PackedLinear(torch.nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()  # a no-op when already so
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        count = rows.shape[0]
+        if 0 < count < MIN_ROWS:  # zero rows below: each output row depends on its own row only
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, MIN_ROWS - count))
+        out = torch.ops.mkldnn._linear_pointwise(
+            rows.contiguous(), self.packed, self.bias, "none", [], ""
+        )
+        return out[:count].reshape(*x.shape[:-1], self.out_features)
 
 
 def packing_supported(model: torch.nn.Module) -> bool:
@@ -60,11 +71,16 @@ def _linear_children(module: torch.nn.Module):
 
 
 def _agrees(linear: torch.nn.Linear, packed: PackedLinear, generator: torch.Generator) -> bool:
-    x = torch.randn(3, linear.in_features, generator=generator)
-    want = torch.nn.functional.linear(x, linear.weight, linear.bias)
-    got = packed(x)
-    scale = float(want.abs().max()) or 1.0
-    return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= CHECK_RTOL * scale
+    """The packed layer computes F.linear's map within CHECK_RTOL, on one row (padded) and on
+    more rows than MIN_ROWS."""
+    for rows in (1, MIN_ROWS + 1):
+        x = torch.randn(rows, linear.in_features, generator=generator)
+        want = torch.nn.functional.linear(x, linear.weight, linear.bias)
+        got = packed(x)
+        scale = float(want.abs().max()) or 1.0
+        if not torch.isfinite(got).all() or float((got - want).abs().max()) > CHECK_RTOL * scale:
+            return False
+    return True
 
 
 @torch.no_grad()

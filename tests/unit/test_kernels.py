@@ -24,7 +24,7 @@ def count_linears(model) -> int:
     return sum(isinstance(m, torch.nn.Linear) for m in model.modules())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 80, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 80, 300])
 def test_packed_linear_equals_f_linear(rows):
     gen = torch.Generator().manual_seed(rows)
     for bias in (False, True):
@@ -34,6 +34,40 @@ def test_packed_linear_equals_f_linear(rows):
         got = PackedLinear(linear)(x)
         assert got.shape == want.shape
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def rows_computed(monkeypatch, rows: int) -> list[int]:
+    """The row counts oneDNN computes for one `PackedLinear` call on `rows` rows."""
+    real, seen = torch.ops.mkldnn._linear_pointwise, []
+
+    def spy(x, *args):
+        seen.append(x.shape[0])
+        return real(x, *args)
+
+    linear = torch.nn.Linear(64, 48)
+    packed = PackedLinear(linear)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    got = packed(x)
+    monkeypatch.undo()
+    assert got.shape == (rows, 48)
+    assert torch.allclose(got, torch.nn.functional.linear(x, linear.weight, linear.bias), atol=1e-5)
+    return seen
+
+
+def test_fewer_rows_than_min_rows_run_as_min_rows(monkeypatch):
+    """One to three rows run oneDNN's kernel for MIN_ROWS rows (zero rows below, cut off
+    after): its kernels for one or two rows stream an uncached weight more slowly."""
+    assert kernels.MIN_ROWS == 4
+    for rows in (1, 2, 3):
+        assert rows_computed(monkeypatch, rows) == [kernels.MIN_ROWS]
+    assert rows_computed(monkeypatch, 7) == [7]
+
+
+def test_negative_control_without_padding_one_row_runs_alone(monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_ROWS", 1)
+    seen = rows_computed(monkeypatch, 1)
+    assert seen == [1]
 
 
 def test_every_linear_of_a_llama_is_packed_and_logits_agree(model_dirs):
