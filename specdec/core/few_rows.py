@@ -25,9 +25,8 @@ FEW_ROWS = 8  # up to this many rows on a CPU, the decisions run on Python float
 
 
 def few_rows(count: int, device: torch.device) -> bool:
-    """Whether `count` rows on `device` take the small-batch path: on a CPU, up to `FEW_ROWS`
-    rows cost more in per-op dispatch (~5–10 µs a torch op, ~100 ops a pass) than in
-    arithmetic, so their bookkeeping is done on Python numbers."""
+    """Whether `count` rows on `device` take the small-batch path (on a CPU, up to
+    `FEW_ROWS`; see the module docstring)."""
     return device.type == "cpu" and 0 < count <= FEW_ROWS
 
 

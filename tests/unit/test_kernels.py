@@ -46,10 +46,10 @@ def rows_computed(monkeypatch, rows: int) -> list[int]:
 
     linear = torch.nn.Linear(64, 48)
     packed = PackedLinear(linear)
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
-    got = packed(x)
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:  # the spy for this call only
+        patch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+        got = packed(x)
     assert got.shape == (rows, 48)
     assert torch.allclose(got, torch.nn.functional.linear(x, linear.weight, linear.bias), atol=1e-5)
     return seen
