@@ -38,9 +38,9 @@ tools:
 	  $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends g++ ninja-build; }
 
-# the workers' attention kernel, compiled once per machine (without a compiler they use torch's)
+# the workers' C++ kernels (attention, linear), compiled once per machine (without a compiler they use torch's)
 kernels: proto
-	$(PY) -m specdec.engine.attention_kernel
+	$(PY) -m specdec.engine.compiled
 
 test: proto tools kernels
 	$(PY) -m pytest -q tests

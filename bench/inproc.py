@@ -333,10 +333,6 @@ def main(argv: list[str]) -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    if "min_rows" in job:  # bench.kernels' A/B of the packed kernel's row padding
-        from specdec.engine import kernels
-
-        kernels.MIN_ROWS = int(job["min_rows"])
     threads = int(job["threads"])
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)

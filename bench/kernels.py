@@ -2,8 +2,8 @@
 
     python -m bench.kernels [--pair smollm2|code|both] [--threads 1] [--out results/kernels]
 
-For each pair and kernel (torch's own MKL `F.linear`, prepacked oneDNN with one to three rows
-run as they come, and as the workers run it: padded to `MIN_ROWS` rows), in a fresh
+For each pair and kernel (torch's own MKL `F.linear`, prepacked oneDNN, and the compiled
+streamed kernel: `--linear-kernel` default, packed, compiled), in a fresh
 subprocess with `--threads` torch threads: a target step, a draft step and target forwards of
 γ+1 tokens at batch 1 with a KV cache (bench.inproc's "costs" job, the one the full benchmark
 uses for its performance model), then c and v(γ). Also one pass of each batch size the
@@ -28,9 +28,7 @@ from bench.contenders import PAIRS
 from bench.inproc import load
 from bench.measure import subprocess_job
 
-# (label, --linear-kernel, the packed kernel's MIN_ROWS: None = the shipped one)
-KERNELS = (("default", "default", None), ("packed, 1-3 rows as they come", "packed", 1))
-KERNELS += (("packed", "packed", None),)
+KERNELS = ("default", "packed", "compiled")  # --linear-kernel
 BATCHES = (4, 16)
 
 
@@ -69,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     for pair in pairs:
         target, draft, _ = PAIRS[pair]
         target = resolve_model(target)
-        for label, kernel, min_rows in KERNELS:
+        for kernel in KERNELS:
             job = {
                 "job": "costs",
                 "threads": args.threads,
@@ -80,14 +78,13 @@ def main(argv: list[str] | None = None) -> int:
                 "reps": 40,
                 "warmup": 5,
                 "linear_kernel": kernel,
-                **({} if min_rows is None else {"min_rows": min_rows}),
             }
             costs = subprocess_job(job, timeout_s=900)
-            model = load(target, kernel)  # once for every batch size (≥ 4 rows: no padding)
+            model = load(target, kernel)  # once for every batch size
             costs["batch_pass_ms"] = {b: batch_pass_ms(model, b) for b in BATCHES}
             del model
-            results.append({"pair": pair, "kernel": label, **costs})
-            print(f"  {pair} {label}: step {costs['target_step_ms']:.1f} ms", file=sys.stderr)
+            results.append({"pair": pair, "kernel": kernel, **costs})
+            print(f"  {pair} {kernel}: step {costs['target_step_ms']:.1f} ms", file=sys.stderr)
     head = "| pair | kernel | target step | draft step | c | " + " | ".join(
         f"v({g})" for g in range(1, 7)
     )

@@ -120,7 +120,7 @@ def worker_config(role: str) -> dict[str, Schema]:
         "threads": integer(1, nullable=True),
         "device": {"type": ["string", "null"], "pattern": "^(auto|cpu|cuda(:[0-9]+)?)$"},
         "dtype": string(["auto", "float32", "float16", "bfloat16"], nullable=True),
-        "linearKernel": string(["auto", "packed", "default"], nullable=True),
+        "linearKernel": string(["auto", "compiled", "packed", "default"], nullable=True),
         "batchAttention": string(["auto", "sessions", "padded"], nullable=True),
         "attentionKernel": string(["auto", "compiled", "torch"], nullable=True),
         "samplingGraphs": string(["auto", "on", "off"], nullable=True),

@@ -1,6 +1,18 @@
-"""CPU linear layers with prepacked oneDNN weights.
+"""CPU linear layers: a compiled kernel that streams each weight once, or prepacked oneDNN.
 
-On CPU, torch's `F.linear` runs MKL's sgemm, which repacks the weight on every call and, for
+`--linear-kernel` chooses: auto (the compiled kernel, `StreamedLinear`, where it builds and
+every layer agrees with `F.linear`; else oneDNN where present and agreeing; else torch's
+own), compiled (the compiled kernel, or fail), packed (oneDNN, or fail), default (torch's).
+
+**The compiled kernel** (`csrc/streamed_linear.cpp`, built once per machine like the
+attention kernel, `specdec.engine.compiled`). At the few rows of a step or a verify pass a
+layer is bound by reading its weight from memory, and oneDNN's kernels read it at about
+half the speed one core can: the code target's 113 layers took 14.3 ms at one row on oneDNN,
+7.2 ms on this kernel (14.0 against 8.1 ms at 5 rows, 18.5 against 12.2 at 16; docs/
+benchmarks.md, "A linear kernel that streams its weight"). Each output is one sum over the
+inputs in order, so a row's result does not depend on the rows batched with it.
+
+**oneDNN.** On CPU, torch's `F.linear` runs MKL's sgemm, which repacks the weight on every call and, for
 the few rows a decode step or a verify pass has (1 to a few dozen), costs about one weight
 pass per row: verifying γ+1 = 5 tokens of SmolLM2 took 1.8 target steps on one thread. oneDNN
 with the weight reordered once at load (the same prepacking torch's inductor uses when it
@@ -16,9 +28,16 @@ is missing. CUDA and non-float32 models keep their own kernels.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-KERNELS = ("auto", "packed", "default")
+from specdec.engine.compiled import Extension
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("auto", "compiled", "packed", "default")
+EXTENSION = Extension("specdec_linear", "streamed_linear.cpp", "the streamed linear kernel")
 PACK_ROWS_HINT = 8  # the row count oneDNN tunes the reorder for; any count works
 CHECK_RTOL = 1e-4  # agreement with F.linear a packed layer must show at load
 # Fewer rows than this are padded with zero rows up to it: oneDNN's kernel for one or two
@@ -50,13 +69,33 @@ class PackedLinear(torch.nn.Module):
         return out[:count].reshape(*x.shape[:-1], self.out_features)
 
 
+class StreamedLinear(torch.nn.Module):
+    """A bias-optional `nn.Linear` whose weight is held in the compiled kernel's layout
+    (inference only)."""
+
+    def __init__(self, linear: torch.nn.Linear, module):
+        super().__init__()
+        self.kernel = module
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = module.pack(linear.weight.detach().contiguous())
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = self.kernel.linear(rows, self.packed, self.bias, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def cpu_float32(model: torch.nn.Module) -> bool:
+    """Whether the model's weights are float32 on the CPU (the kernels here apply)."""
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "cpu" and param.dtype == torch.float32
+
+
 def packing_supported(model: torch.nn.Module) -> bool:
     """Packed linears apply to float32 models on the CPU with oneDNN compiled in."""
-    param = next(model.parameters(), None)
     return (
-        param is not None
-        and param.device.type == "cpu"
-        and param.dtype == torch.float32
+        cpu_float32(model)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
@@ -70,9 +109,10 @@ def _linear_children(module: torch.nn.Module):
             yield from _linear_children(child)
 
 
-def _agrees(linear: torch.nn.Linear, packed: PackedLinear, generator: torch.Generator) -> bool:
-    """The packed layer computes F.linear's map within CHECK_RTOL, on one row (padded) and on
-    more rows than MIN_ROWS."""
+def _agrees(linear: torch.nn.Linear, packed: torch.nn.Module, generator: torch.Generator) -> bool:
+    """The replacement computes F.linear's map within CHECK_RTOL, on one row (padded to
+    MIN_ROWS by oneDNN's) and on more rows than MIN_ROWS (two row groups of the compiled
+    kernel's on a CPU without AVX-512)."""
     for rows in (1, MIN_ROWS + 1):
         x = torch.randn(rows, linear.in_features, generator=generator)
         want = torch.nn.functional.linear(x, linear.weight, linear.bias)
@@ -83,45 +123,93 @@ def _agrees(linear: torch.nn.Linear, packed: PackedLinear, generator: torch.Gene
     return True
 
 
+def compiled_module(kernel: str):
+    """The compiled kernel's module for `kernel` (auto | compiled), or None where it cannot
+    be built (auto; compiled raises, naming why)."""
+    found = EXTENSION.get()
+    if not isinstance(found, str):
+        return found
+    if kernel == "compiled":
+        raise ValueError(f"linear_kernel: compiled is not available: {found}")
+    log.warning("streamed linear kernel unavailable, oneDNN's or torch's instead: %s", found)
+    return None
+
+
 @torch.no_grad()
 def pack_linears(model: torch.nn.Module, kernel: str = "auto") -> int:
-    """Replace every `nn.Linear` of a CPU float32 model by a `PackedLinear`; returns how many.
+    """Replace every `nn.Linear` of a CPU float32 model by a `StreamedLinear` or a
+    `PackedLinear`; returns how many (`kernel_of` says which).
 
-    `kernel`: auto = pack when supported (0 otherwise), packed = pack or raise, default = 0.
-    Every packed layer is checked against `F.linear` on random rows first, then the model
-    runs one forward of two tokens packed; a disagreement or a failure keeps the whole model
-    on the stock kernels (auto) or raises (packed).
+    `kernel`: auto = the compiled kernel where it builds and agrees, else oneDNN where
+    supported and agreeing, else none (0); compiled / packed = that one or raise; default = 0.
+    Every replaced layer is checked against `F.linear` on random rows first, then the model
+    runs one forward of two tokens; a disagreement or a failure keeps the whole model on the
+    next kernel (auto) or raises.
     """
     if kernel not in KERNELS:
         raise ValueError(f"linear_kernel: expected one of {list(KERNELS)}, got {kernel!r}")
     if kernel == "default":
         return 0
+    if kernel in ("auto", "compiled"):
+        if not cpu_float32(model):
+            if kernel == "compiled":
+                raise ValueError("linear_kernel: compiled needs a float32 model on a CPU")
+            return 0
+        module = compiled_module(kernel)
+        if module is not None:
+            strict = kernel == "compiled"
+            swapped = _swap(model, "compiled", strict, lambda lin: StreamedLinear(lin, module))
+            if swapped or kernel == "compiled":
+                return swapped
     if not packing_supported(model):
         if kernel == "packed":
             raise ValueError("linear_kernel: packed needs a float32 model on a CPU with oneDNN")
         return 0
+    return _swap(model, "packed", kernel == "packed", PackedLinear)
+
+
+LINEAR_LABELS = {
+    "compiled": "the compiled streamed kernel",
+    "packed": "prepacked oneDNN kernels",
+    "default": "torch's own linear kernels",
+}
+
+
+def kernel_of(model: torch.nn.Module) -> str:
+    """Which kernel runs the model's linear layers: compiled, packed or default."""
+    for module in model.modules():
+        if isinstance(module, StreamedLinear):
+            return "compiled"
+        if isinstance(module, PackedLinear):
+            return "packed"
+    return "default"
+
+
+def _swap(model: torch.nn.Module, name: str, strict: bool, make) -> int:
+    """Every `nn.Linear` replaced by `make(linear)` where each agrees and the model then runs;
+    else none (0), or ValueError with `strict`."""
     generator = torch.Generator().manual_seed(0)
     swaps = []
-    for parent, name, linear in list(_linear_children(model)):
+    for parent, child, linear in list(_linear_children(model)):
         try:
-            packed = PackedLinear(linear)
+            packed = make(linear)
             ok = _agrees(linear, packed, generator)
         except RuntimeError:
             ok = False
         if not ok:
-            if kernel == "packed":
-                raise ValueError(f"linear_kernel: the packed kernel disagrees on layer {name}")
+            if strict:
+                raise ValueError(f"linear_kernel: the {name} kernel disagrees on layer {child}")
             return 0
-        swaps.append((parent, name, packed))
-    originals = [(parent, name, getattr(parent, name)) for parent, name, _ in swaps]
-    for parent, name, packed in swaps:
-        setattr(parent, name, packed)
+        swaps.append((parent, child, packed))
+    originals = [(parent, child, getattr(parent, child)) for parent, child, _ in swaps]
+    for parent, child, packed in swaps:
+        setattr(parent, child, packed)
     try:  # a model whose code reads a linear's .weight directly cannot run packed
         model(input_ids=torch.tensor([[0, 1]]), use_cache=False)
     except Exception as error:  # noqa: BLE001 - any failure: put torch's layers back
-        for parent, name, linear in originals:
-            setattr(parent, name, linear)
-        if kernel == "packed":
-            raise ValueError(f"linear_kernel: the model does not run packed ({error})") from None
+        for parent, child, linear in originals:
+            setattr(parent, child, linear)
+        if strict:
+            raise ValueError(f"linear_kernel: the model does not run {name} ({error})") from None
         return 0
     return len(swaps)

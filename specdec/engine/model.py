@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache
 
 from specdec.engine import session_attention
 from specdec.engine.batch_kv import BATCH_KV_HEADROOM, BatchKV, BufferLayer
-from specdec.engine.kernels import pack_linears
+from specdec.engine.kernels import LINEAR_LABELS, kernel_of, pack_linears
 from specdec.engine.kv import KVSession
 from specdec.text.tokenizer import eos_token_ids, load_tokenizer, vocab_fingerprint
 
@@ -43,7 +43,7 @@ class RuntimeSettings:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16
     threads: int = 1
-    linear_kernel: str = "auto"  # auto | packed | default (specdec.engine.kernels)
+    linear_kernel: str = "auto"  # auto | compiled | packed | default (specdec.engine.kernels)
     batch_attention: str = "auto"  # auto | sessions | padded (specdec.engine.session_attention)
     attention_kernel: str = "auto"  # auto | compiled | torch (specdec.engine.attention_kernel)
 
@@ -91,7 +91,7 @@ class ModelRuntime:
             "model %s on %s: %s",
             self.model_name,
             self.device,
-            f"{self.packed_linears} linear layers on prepacked oneDNN kernels"
+            f"{self.packed_linears} linear layers on {LINEAR_LABELS[kernel_of(self.model)]}"
             if self.packed_linears
             else "torch's own linear kernels",
         )

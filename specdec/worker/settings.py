@@ -22,9 +22,12 @@ class WorkerSettings(SecurityFlags):
     )
     linear_kernel: str = opt(
         "auto",
-        "CPU float32 linear layers: auto (oneDNN with weights prepacked at load, when present "
-        "and checked against torch's own) | packed (that, or fail) | default (torch's own)",
-        ["auto", "packed", "default"],
+        "CPU float32 linear layers: auto (a compiled C++ kernel streaming each weight once a "
+        "call, built once per machine, where it builds and agrees with torch's own at load; "
+        "else oneDNN with weights prepacked at load, where present and agreeing; else torch's "
+        "own) | compiled (the compiled kernel, or fail) | packed (oneDNN, or fail) | default "
+        "(torch's own)",
+        ["auto", "compiled", "packed", "default"],
     )
     batch_attention: str = opt(
         "auto",

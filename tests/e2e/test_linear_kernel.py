@@ -1,6 +1,7 @@
 """`--linear-kernel`, `--batch-attention` and `--attention-kernel` on a real worker process:
-auto packs a float32 CPU model and says so; `packed` on a model that cannot run packed
-(bfloat16) refuses to start, naming the flag. Auto attends over each session's own KV where the
+auto runs a float32 CPU model's linears on the compiled streamed kernel and says so, `packed` on
+oneDNN; `packed` or `compiled` on a model that cannot run them (bfloat16) refuses to start,
+naming the flag. Auto attends over each session's own KV where the
 model qualifies (also in bfloat16) and says so, short blocks by the compiled kernel in float32,
 keeps the padded batch where it does not qualify and says why; `sessions` on such a model, and
 `--attention-kernel compiled` in bfloat16, refuse to start, naming the flag."""
@@ -53,6 +54,12 @@ def default_worker(model_dirs) -> tuple[int | None, str]:
 def test_auto_packs_a_float32_model_on_the_cpu(default_worker):
     code, log = default_worker
     assert code is None, log
+    assert "linear layers on the compiled streamed kernel" in log
+
+
+def test_packed_runs_onednn(model_dirs):
+    code, log = run_worker(model_dirs["target"], "--device", "cpu", "--linear-kernel", "packed")
+    assert code is None, log
     assert "linear layers on prepacked oneDNN kernels" in log
 
 
@@ -68,6 +75,18 @@ def test_packed_on_a_model_it_cannot_pack_refuses_to_start(model_dirs):
     )
     assert code not in (None, 0), log
     assert "linear_kernel: packed needs a float32 model" in log
+    assert "Traceback" not in log
+    code, log = run_worker(
+        model_dirs["target"],
+        "--device",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+        "--linear-kernel",
+        "compiled",
+    )
+    assert code not in (None, 0), log
+    assert "linear_kernel: compiled needs a float32 model on a CPU" in log
     assert "Traceback" not in log
 
 

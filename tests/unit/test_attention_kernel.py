@@ -119,8 +119,8 @@ def test_without_a_toolchain_auto_falls_back_and_compiled_says_why(model_dirs, m
     def no_compiler(name):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(attention_kernel, "_loaded", {})
-    monkeypatch.setattr(attention_kernel, "_build", no_compiler)
+    monkeypatch.setattr(attention_kernel.EXTENSION, "_loaded", {})
+    monkeypatch.setattr(attention_kernel.EXTENSION, "build", no_compiler)
     with caplog.at_level(logging.WARNING, "specdec.engine.attention_kernel"):
         runtime = load(model_dirs["target"], "auto")
     assert runtime.session_attention and runtime._attention_kernel is None

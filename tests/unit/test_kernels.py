@@ -1,4 +1,5 @@
-"""Prepacked oneDNN linear layers: the same linear map as torch's own, checked at load."""
+"""Prepacked oneDNN linear layers: the same linear map as torch's own, checked at load (the
+compiled streamed kernel, auto's first choice: tests/unit/test_streamed_linear.py)."""
 
 from __future__ import annotations
 
@@ -70,10 +71,13 @@ def test_negative_control_without_padding_one_row_runs_alone(monkeypatch):
     assert seen == [1]
 
 
-def test_every_linear_of_a_llama_is_packed_and_logits_agree(model_dirs):
+@pytest.mark.parametrize("kernel", ["auto", "packed", "compiled"])
+def test_every_linear_of_a_llama_is_packed_and_logits_agree(model_dirs, kernel):
+    """auto takes the compiled kernel (tests/unit/test_streamed_linear.py)."""
     stock, packed = load(model_dirs["target"]), load(model_dirs["target"])
     linears = count_linears(stock)
-    assert pack_linears(packed, "auto") == linears > 0
+    assert pack_linears(packed, kernel) == linears > 0
+    assert kernels.kernel_of(packed) == ("compiled" if kernel == "auto" else kernel)
     assert count_linears(packed) == 0
     ids = torch.randint(
         0, stock.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)
@@ -97,21 +101,27 @@ def test_default_and_unsupported_models_keep_torchs_kernels(model_dirs):
 
 
 def test_a_disagreeing_kernel_is_caught_at_load(model_dirs, monkeypatch):
-    """Negative control: a packed layer that is off by a little is refused, whole model kept."""
+    """Negative control: a packed layer that is off by a little is refused, whole model kept
+    (auto, with the compiled kernel off by as much, keeps torch's own)."""
     model = load(model_dirs["target"])
     linears = count_linears(model)
-    real = PackedLinear.forward
-    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: real(self, x) * (1 + 1e-3))
+    for kind in (PackedLinear, kernels.StreamedLinear):
+        real = kind.forward
+        monkeypatch.setattr(kind, "forward", lambda self, x, real=real: real(self, x) * (1 + 1e-3))
     assert pack_linears(model, "auto") == 0
     assert count_linears(model) == linears
-    with pytest.raises(ValueError, match="disagrees"):
+    with pytest.raises(ValueError, match="the packed kernel disagrees"):
         pack_linears(model, "packed")
     monkeypatch.setattr(kernels, "CHECK_RTOL", 1e-2)  # the same error within a looser bound
-    assert pack_linears(model, "auto") == linears
+    assert pack_linears(model, "packed") == linears
 
 
-def test_runtime_packs_on_cpu_and_computes_what_torchs_kernels_compute(model_dirs):
-    packed = ModelRuntime(RuntimeSettings(model_dirs["target"], device="cpu", threads=1))
+@pytest.mark.parametrize("kernel", ["auto", "packed", "compiled"])
+def test_runtime_packs_on_cpu_and_computes_what_torchs_kernels_compute(model_dirs, kernel):
+    packed = ModelRuntime(
+        RuntimeSettings(model_dirs["target"], device="cpu", threads=1, linear_kernel=kernel)
+    )
+    assert kernels.kernel_of(packed.model) == ("compiled" if kernel == "auto" else kernel)
     stock = ModelRuntime(
         RuntimeSettings(model_dirs["target"], device="cpu", threads=1, linear_kernel="default")
     )
@@ -139,7 +149,8 @@ def test_a_model_that_reads_a_linear_weight_keeps_torchs_kernels(model_dirs, mon
     )
     assert pack_linears(model, "auto") == 0
     assert count_linears(model) == linears
-    with pytest.raises(ValueError, match="does not run packed"):
-        pack_linears(model, "packed")
+    for kernel in ("packed", "compiled"):
+        with pytest.raises(ValueError, match=f"does not run {kernel}"):
+            pack_linears(model, kernel)
     monkeypatch.setattr(mlp, "forward", real)
     assert pack_linears(model, "auto") == linears
