@@ -81,9 +81,7 @@ class StreamedLinear(torch.nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = self.kernel.linear(rows, self.packed, self.bias, self.out_features)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return self.kernel.linear(x, self.packed, self.bias, self.out_features)
 
 
 def cpu_float32(model: torch.nn.Module) -> bool:

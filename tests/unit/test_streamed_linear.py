@@ -95,7 +95,7 @@ def test_bad_arguments_are_refused(module):
     layer = StreamedLinear(torch.nn.Linear(32, 16), module)
     with pytest.raises(RuntimeError, match="packed weight does not match x"):
         module.linear(torch.randn(2, 31), layer.packed, None, 16)
-    with pytest.raises(RuntimeError, match="contiguous 2-d float32"):
+    with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
         module.linear(torch.randn(2, 32, dtype=torch.float64), layer.packed, None, 16)
     with pytest.raises(RuntimeError, match="bias must be"):
         module.linear(torch.randn(2, 32), layer.packed, torch.zeros(15), 16)

@@ -38,32 +38,44 @@ constexpr int64_t MAX_ROWS = 2;  // 4 x 2 accumulators + 4 weights: 12 of 16 reg
 constexpr int64_t VECTORS = 4;               // vectors of outputs a group fills
 constexpr int64_t WIDTH = LANES * VECTORS;   // outputs per group: the layout's unit
 constexpr int64_t PREFETCH = 16;             // inputs ahead (16 x WIDTH floats: 4 KiB)
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+// a vector of LANES floats at any 4-byte-aligned address (loads and stores through it may
+// alias the tensors' float data)
+typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4), may_alias));
 
-// One weight group against R rows: out[r][k] = sum_i w[i][k] * x[r][i]. With two rows or
-// more the loop's arithmetic hides the memory stream from the hardware prefetcher's view
-// long enough to lose bandwidth; a prefetch 4 KiB ahead (into L2) keeps it streaming. One
-// row streams faster without it.
+// One weight group against R rows: out[r][k] = sum_i w[i][k] * x[r][i]. The loops over
+// vectors and rows unroll completely, so the VECTORS x R accumulators live in registers (an
+// accumulator array whose address escapes, by memcpy, was stored to the stack every input:
+// 3x slower at 6 rows). With two rows or more the loop's arithmetic hides the memory stream
+// from the hardware prefetcher long enough to lose bandwidth; a prefetch 4 KiB ahead (into
+// L2) keeps it streaming. One row streams faster without it.
 template <int R>
 inline void group_rows(const float* w, const float* x, int64_t in, float* out) {
   vec acc[VECTORS][R];
+#pragma GCC unroll 8
   for (int k = 0; k < VECTORS; ++k)
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[k][r] = vec{};
   for (int64_t i = 0; i < in; ++i) {
     const float* wi = w + i * WIDTH;
-    if (R >= 2)
+    if (R >= 2) {
+#pragma GCC unroll 8
       for (int64_t line = 0; line < WIDTH; line += 64 / sizeof(float))
         __builtin_prefetch(wi + PREFETCH * WIDTH + line, 0, 1);
+    }
     vec wv[VECTORS];
-    std::memcpy(wv, wi, sizeof(wv));
+#pragma GCC unroll 8
+    for (int k = 0; k < VECTORS; ++k) wv[k] = *reinterpret_cast<const vec*>(wi + k * LANES);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * in + i];
+#pragma GCC unroll 8
       for (int k = 0; k < VECTORS; ++k) acc[k][r] += wv[k] * xv;
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int k = 0; k < VECTORS; ++k)
-      std::memcpy(out + r * WIDTH + k * LANES, &acc[k][r], sizeof(vec));
+#pragma GCC unroll 8
+    for (int k = 0; k < VECTORS; ++k) *reinterpret_cast<vec*>(out + r * WIDTH + k * LANES) = acc[k][r];
 }
 
 // group_rows<rows> for 1 <= rows <= R
@@ -88,21 +100,25 @@ torch::Tensor pack(torch::Tensor weight) {
   return padded.view({groups, WIDTH, in}).transpose(1, 2).contiguous();
 }
 
-// x [rows, in] float32 (contiguous) -> x @ weight.T + bias [rows, out_features]
+// x [..., in] float32 -> x @ weight.T + bias [..., out_features]
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
                      int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be a contiguous 2-d float32 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == WIDTH && packed.size(1) == x.size(1) &&
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+              "x must be a float32 CPU tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == WIDTH && packed.size(1) == x.size(-1) &&
                   packed.is_contiguous() && out_features <= packed.size(0) * WIDTH,
               "packed weight does not match x");
+  auto shape = x.sizes().vec();
+  shape.back() = out_features;
+  x = x.contiguous();
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
                     bias->scalar_type() == torch::kFloat32,
                 "bias must be a contiguous float32 vector of out_features");
-  const int64_t rows = x.size(0), in = x.size(1), groups = packed.size(0);
-  auto y = torch::empty({rows, out_features}, x.options());
+  const int64_t in = x.size(-1), rows = x.numel() / std::max<int64_t>(in, 1);
+  const int64_t groups = packed.size(0);
+  auto y = torch::empty(shape, x.options());
   if (rows == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
