@@ -24,7 +24,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+# -fopenmp: ATen's parallel_for is OpenMP in torch's CPU build, and compiles to a serial loop
+# without it (the kernels then ran on one thread whatever --threads said)
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+LDFLAGS = ["-fopenmp"]
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 
 
@@ -63,7 +66,7 @@ class Extension:
         """The built module's name: a hash of what it is built from and for."""
         with open(self.source, "rb") as f:
             digest = hashlib.sha256(f.read())
-        for part in (" ".join(CFLAGS), torch.__version__, sys.version, _cpu_flags()):
+        for part in (" ".join(CFLAGS + LDFLAGS), torch.__version__, sys.version, _cpu_flags()):
             digest.update(b"\0" + part.encode())
         return f"{self.prefix}_{digest.hexdigest()[:16]}"
 
@@ -81,7 +84,13 @@ class Extension:
 
         os.makedirs(directory, exist_ok=True)
         log.info("building %s %s (once per machine)", self.what, name)
-        return load(name, [self.source], extra_cflags=CFLAGS, build_directory=directory)
+        return load(
+            name,
+            [self.source],
+            extra_cflags=list(CFLAGS),  # copies: torch's builder appends to the lists it is given
+            extra_ldflags=list(LDFLAGS),
+            build_directory=directory,
+        )
 
     def get(self):
         """The module, or a line saying why it is unavailable (once per process)."""

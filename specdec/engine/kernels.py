@@ -6,15 +6,16 @@ own), compiled (the compiled kernel, or fail), packed (oneDNN, or fail), default
 
 **The compiled kernel** (`csrc/streamed_linear.cpp`, built once per machine like the
 attention kernel, `specdec.engine.compiled`). At the few rows of a step or a verify pass a
-layer is bound by reading its weight from memory, and oneDNN's kernels read it at about
-half the speed one core can: the code target's 113 layers took 14.3 ms at one row on oneDNN,
-7.2 ms on this kernel (14.0 against 8.1 ms at 5 rows, 18.5 against 12.2 at 16; docs/
-benchmarks.md, "A linear kernel that streams its weight"). Each output is one sum over the
-inputs in order, so a row's result does not depend on the rows batched with it.
+layer is bound by reading its weight from memory; laid out as groups of 64 outputs, input by
+input, the weights stream at 13-15 GB/s on this machine's cores against oneDNN's 9 and
+torch's 11 (all 113 layers of the code target at one row: 9.3 ms against 14.2 and 11.1; at
+five rows 8.8 against 13.4 and 14.2; docs/benchmarks.md, "A linear kernel that streams its
+weight"). Each output is one sum over the inputs in order, so a row's result does not depend
+on the rows batched with it.
 
-**oneDNN.** On CPU, torch's `F.linear` runs MKL's sgemm, which repacks the weight on every call and, for
-the few rows a decode step or a verify pass has (1 to a few dozen), costs about one weight
-pass per row: verifying γ+1 = 5 tokens of SmolLM2 took 1.8 target steps on one thread. oneDNN
+**oneDNN.** On CPU, torch's `F.linear` runs MKL's sgemm, which repacks the weight on every
+call and, for the few rows a decode step or a verify pass has (1 to a few dozen), costs
+about one weight pass per row: verifying γ+1 = 5 tokens of SmolLM2 took 1.8 target steps on one thread. oneDNN
 with the weight reordered once at load (the same prepacking torch's inductor uses when it
 freezes a model) reads each weight once per call, so a verify pass costs little more than a
 step, and a step itself gets faster (measured in docs/benchmarks.md, "CPU linear kernels").

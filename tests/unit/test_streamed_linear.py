@@ -142,3 +142,38 @@ def test_the_runtime_says_which_kernel_runs_its_linears(model_dirs, caplog):
         runtime = ModelRuntime(RuntimeSettings(model_dirs["target"], device="cpu", threads=1))
     assert kernel_of(runtime.model) == "compiled"
     assert f"{runtime.packed_linears} linear layers on the compiled streamed kernel" in caplog.text
+
+
+def test_the_kernel_runs_on_torchs_threads(module):
+    """Built with OpenMP, its parallel_for uses torch's intra-op threads (without -fopenmp it
+    compiled to a serial loop: --threads 2 ran the layers on one); one thread: one."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert module.threads_used() == 2
+        torch.set_num_threads(1)
+        assert module.threads_used() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_building_leaves_the_flags_and_so_the_name_alone(monkeypatch, tmp_path):
+    """torch's builder appends to the flag lists it is given: the build passes copies, or the
+    next kernel's name (a hash of the flags) would change after every build in a process and
+    each start would build a kernel again."""
+    import torch.utils.cpp_extension as cpp
+
+    from specdec.engine import compiled
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags, build_directory):
+        extra_cflags.append("-DX")
+        extra_ldflags.append("-ltorch")
+        return object()
+
+    monkeypatch.setenv("SPECDEC_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp, "load", fake_load)
+    extension = compiled.Extension("specdec_test", "streamed_linear.cpp", "a test kernel")
+    before = extension.module_name()
+    assert not isinstance(extension.get(), str)
+    assert extension.module_name() == before
+    assert compiled.LDFLAGS == ["-fopenmp"] and "-DX" not in compiled.CFLAGS

@@ -2,13 +2,13 @@
 // weight once per call (specdec/engine/kernels.py builds it and calls it).
 //
 // At one to a few dozen rows a CPU linear layer is bound by reading its weight from memory:
-// a model's weights (113 MB for the code target, 538 MB for SmolLM2) do not stay in cache
+// a model's weights (126 MB for the code target, 538 MB for SmolLM2) do not stay in cache
 // from one step to the next. oneDNN's prepacked kernels read them at ~9 GB/s on this
-// machine's cores and MKL's sgemm about as fast; one core reads memory at ~24 GB/s. Here the
-// weight is laid out once at load as groups of WIDTH outputs, input by input:
-// packed[g][i][k] = weight[g * WIDTH + k][i] (zero past the last output), so a call reads it
-// as one sequential stream, and for each input i the WIDTH weights of a group meet every
-// row's x[r][i] in WIDTH / LANES vector multiply-adds. Rows go in groups of at most MAX_ROWS,
+// machine's cores and MKL's sgemm at ~11 (one or two rows; less per row above that); one
+// core reads memory at ~23 GB/s. Here the weight is laid out once at load as groups of
+// WIDTH outputs, input by input: packed[g][i][k] = weight[g * WIDTH + k][i] (zero past the
+// last output), so a call reads it as one sequential stream, and for each input i the WIDTH
+// weights of a group meet every row's x[r][i] in WIDTH / LANES vector multiply-adds. Rows go in groups of at most MAX_ROWS,
 // whose accumulators stay in registers; later row groups find the weight group in L2.
 //
 // Every output is one float32 sum over the inputs in order i = 0, 1, ..., each term added by
@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -148,7 +149,21 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, std::optional<torch:
   return y;
 }
 
+// How many of torch's intra-op threads a parallel_for here runs on (1 where the module was
+// built without OpenMP: ATen's parallel_for is then a serial loop).
+int64_t threads_used() {
+  std::atomic<int64_t> most{1};
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    const int64_t mine = at::get_thread_num() + 1;
+    int64_t seen = most.load();
+    while (mine > seen && !most.compare_exchange_weak(seen, mine)) {
+    }
+  });
+  return most.load();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("threads_used", &threads_used, "threads a parallel_for of this module runs on");
   m.def("pack", &pack, "a linear layer's weight in the streamed layout");
   m.def("linear", &linear, "x @ weight.T + bias with the weight in the streamed layout",
         pybind11::call_guard<pybind11::gil_scoped_release>());
