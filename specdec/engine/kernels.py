@@ -109,10 +109,10 @@ def _linear_children(module: torch.nn.Module):
 
 
 def _agrees(linear: torch.nn.Linear, packed: torch.nn.Module, generator: torch.Generator) -> bool:
-    """The replacement computes F.linear's map within CHECK_RTOL, on one row (padded to
-    MIN_ROWS by oneDNN's) and on more rows than MIN_ROWS (two row groups of the compiled
-    kernel's on a CPU without AVX-512)."""
-    for rows in (1, MIN_ROWS + 1):
+    """The replacement computes F.linear's map within CHECK_RTOL on 1, 5 and 13 rows: one row
+    (padded to MIN_ROWS by oneDNN's), more than MIN_ROWS, and several row groups of the
+    compiled kernel's (groups of at most 6 rows, 2 without AVX-512)."""
+    for rows in (1, MIN_ROWS + 1, 13):
         x = torch.randn(rows, linear.in_features, generator=generator)
         want = torch.nn.functional.linear(x, linear.weight, linear.bias)
         got = packed(x)
