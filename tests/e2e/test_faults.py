@@ -217,23 +217,33 @@ def test_sigterm_hands_sessions_over(stack2):
     lease is given up on the way out, the client resumes on the other coordinator, which takes
     it over, and the text equals an uninterrupted run. (Before the draining flag this also
     passed here: the loop was cancelled before it could commit CANCELLED; the flag closes
-    that race rather than a failure this test can force.)"""
-    port = free_port()
-    leaving = stack2.add_coordinator(port, name="coordinator-rolling", extra=["--grace-s", "0.2"])
+    that race rather than a failure this test can force.) On the test models a session of
+    480 tokens (their context is 512) takes about a second since the streamed linear kernel,
+    and the leaving coordinator sometimes finishes it while it shuts down (then nothing is
+    handed over): each try checks the text and the finish, and one of three must hand over."""
     survivor = f"127.0.0.1:{stack2.second_port}"
     expected = reference(stack2, n=480)  # greedy: the drafts may be gone (earlier tests)
-    started = time.monotonic()
-    tokens, last = stream_and_kill(
-        stack2,
-        lambda: leaving.signal(signal.SIGTERM),
-        addresses=[f"127.0.0.1:{port}", survivor],
-        after_tokens=10,
-        n=480,
-        session_id="rolling-update",
-    )
-    assert last.stats.takeovers >= 1  # the survivor finished it: it was handed over
-    assert tokens == expected
-    assert last.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH  # not CANCELLED
-    assert time.monotonic() - started < 60
-    leaving.process.wait(timeout=30)
-    assert leaving.process.returncode == 0
+    takeovers = []
+    for attempt in range(3):
+        port = free_port()
+        leaving = stack2.add_coordinator(
+            port, name=f"coordinator-rolling-{attempt}", extra=["--grace-s", "0.2"]
+        )
+        started = time.monotonic()
+        tokens, last = stream_and_kill(
+            stack2,
+            lambda leaving=leaving: leaving.signal(signal.SIGTERM),
+            addresses=[f"127.0.0.1:{port}", survivor],
+            after_tokens=10,
+            n=480,
+            session_id=f"rolling-update-{attempt}",
+        )
+        assert tokens == expected
+        assert last.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH  # not CANCELLED
+        assert time.monotonic() - started < 60
+        leaving.process.wait(timeout=30)
+        assert leaving.process.returncode == 0
+        takeovers.append(last.stats.takeovers)
+        if last.stats.takeovers >= 1:  # the survivor finished it: it was handed over
+            break
+    assert max(takeovers) >= 1, takeovers

@@ -126,8 +126,11 @@ def test_one_request_is_one_trace_across_three_processes(observed, receiver):
         busy += covered(r, parts + commits)
         total += r.duration
     # the round's own work (choosing γ, checking answers, detokenising) is small: its
-    # children and the commits it waits for cover most of each round
-    assert busy >= 0.8 * total, (busy, total)
+    # children and the commits it waits for cover most of each round, or what they leave is
+    # under a millisecond a round (the streamed linear kernel made the test models' forwards
+    # short enough that the coordinator's own ~0.4 ms a round came to 21 % of it)
+    own_ms = (total - busy) / len(rounds) / 1e6
+    assert busy >= 0.8 * total or own_ms < 1.0, (busy, total, own_ms)
     assert sum(r.duration for r in rounds) <= root.duration
 
 
