@@ -10,20 +10,21 @@ the kernel's loops as the queries grow) in float32 on the CPU.
 
 It is C++ compiled on first use for the CPU it runs on (`specdec.engine.compiled`).
 `--attention-kernel` chooses: auto (the kernel where it builds, else torch's per-session
-calls, with the reason logged), compiled (the kernel, or fail to start), torch.
+calls, with the reason logged once), compiled (the kernel, or fail to start), torch.
 """
 
 from __future__ import annotations
 
-import logging
-
 from specdec.engine.compiled import Extension
-
-log = logging.getLogger(__name__)
 
 MODES = ("auto", "compiled", "torch")
 MAX_BLOCK = 12  # longer blocks (prefill chunks, γ > 11) keep torch's attention
-EXTENSION = Extension("specdec_attention", "session_attention.cpp", "the attention kernel")
+EXTENSION = Extension(
+    "specdec_attention",
+    "session_attention.cpp",
+    "the attention kernel",
+    "torch's per-session attention",
+)
 
 
 def load(mode: str = "auto"):
@@ -37,8 +38,5 @@ def load(mode: str = "auto"):
     if isinstance(found, str):
         if mode == "compiled":
             raise RuntimeError(f"attention_kernel: compiled is not available: {found}")
-        log.warning(
-            "attention kernel unavailable, torch's per-session attention instead: %s", found
-        )
-        return None
+        return None  # the reason is logged once, by EXTENSION.get
     return found

@@ -5,8 +5,9 @@ ahead, `python -m specdec.engine.compiled` does the same) into `$SPECDEC_KERNEL_
 (default `~/.cache/specdec/kernels`), under a name that hashes the source, the flags, torch's
 version and this CPU's instruction-set flags (`-march=native`: built for the CPU it runs
 on). Later starts import the built module directly. Where one cannot be built (no compiler,
-a read-only cache), `Extension.get` says why and its callers fall back to torch's kernels:
-`attention_kernel` (`--attention-kernel`) and `kernels` (`--linear-kernel`).
+a read-only cache), `Extension.get` logs why once per process and returns the reason, and its
+callers fall back to other kernels: `attention_kernel` (`--attention-kernel`) and `kernels`
+(`--linear-kernel`).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def _import(name: str, path: str):
 class Extension:
     """One kernel: `csrc/<source>` built as `<prefix>_<hash>`, once per machine."""
 
-    def __init__(self, prefix: str, source: str, what: str):
-        self.prefix, self.what = prefix, what
+    def __init__(self, prefix: str, source: str, what: str, fallback: str):
+        self.prefix, self.what, self.fallback = prefix, what, fallback
         self.source = os.path.join(CSRC, source)
         self._lock = threading.Lock()
         self._loaded: dict[str, object] = {}  # module name -> module, or why it is unavailable
@@ -93,7 +94,8 @@ class Extension:
         )
 
     def get(self):
-        """The module, or a line saying why it is unavailable (once per process)."""
+        """The module, or a line saying why it is unavailable (built or found once per
+        process; where it is unavailable, that is logged then, naming the fallback)."""
         with self._lock:
             name = self.module_name()
             if name not in self._loaded:
@@ -101,6 +103,12 @@ class Extension:
                     self._loaded[name] = self.build(name)
                 except Exception as error:  # no compiler, no ninja, a read-only cache, …
                     self._loaded[name] = f"{type(error).__name__}: {str(error).strip()[:300]}"
+                    log.warning(
+                        "%s unavailable, %s instead: %s",
+                        self.what,
+                        self.fallback,
+                        self._loaded[name],
+                    )
             return self._loaded[name]
 
 

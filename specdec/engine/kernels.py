@@ -29,16 +29,14 @@ is missing. CUDA and non-float32 models keep their own kernels.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from specdec.engine.compiled import Extension
 
-log = logging.getLogger(__name__)
-
 KERNELS = ("auto", "compiled", "packed", "default")
-EXTENSION = Extension("specdec_linear", "streamed_linear.cpp", "the streamed linear kernel")
+EXTENSION = Extension(
+    "specdec_linear", "streamed_linear.cpp", "the streamed linear kernel", "oneDNN's or torch's"
+)
 PACK_ROWS_HINT = 8  # the row count oneDNN tunes the reorder for; any count works
 CHECK_RTOL = 1e-4  # agreement with F.linear a packed layer must show at load
 # Fewer rows than this are padded with zero rows up to it: oneDNN's kernel for one or two
@@ -78,7 +76,7 @@ class StreamedLinear(torch.nn.Module):
         super().__init__()
         self.kernel = module
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = module.pack(linear.weight.detach().contiguous())
+        self.packed = module.pack(linear.weight.detach())  # a copy in the kernel's layout
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,8 +128,7 @@ def compiled_module(kernel: str):
         return found
     if kernel == "compiled":
         raise ValueError(f"linear_kernel: compiled is not available: {found}")
-    log.warning("streamed linear kernel unavailable, oneDNN's or torch's instead: %s", found)
-    return None
+    return None  # the reason is logged once, by EXTENSION.get
 
 
 @torch.no_grad()

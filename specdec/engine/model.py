@@ -93,7 +93,7 @@ class ModelRuntime:
             self.device,
             f"{self.packed_linears} linear layers on {LINEAR_LABELS[kernel_of(self.model)]}"
             if self.packed_linears
-            else "torch's own linear kernels",
+            else LINEAR_LABELS["default"],
         )
         self._last_batch: BatchKV | None = None  # model thread only
         # per layer an empty [kv_heads, 0, head_dim] KV tensor (shape, dtype and device of a

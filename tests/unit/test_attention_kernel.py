@@ -121,7 +121,7 @@ def test_without_a_toolchain_auto_falls_back_and_compiled_says_why(model_dirs, m
 
     monkeypatch.setattr(attention_kernel.EXTENSION, "_loaded", {})
     monkeypatch.setattr(attention_kernel.EXTENSION, "build", no_compiler)
-    with caplog.at_level(logging.WARNING, "specdec.engine.attention_kernel"):
+    with caplog.at_level(logging.WARNING, "specdec.engine.compiled"):
         runtime = load(model_dirs["target"], "auto")
     assert runtime.session_attention and runtime._attention_kernel is None
     assert "no C++ compiler" in caplog.text

@@ -128,9 +128,11 @@ def test_without_a_toolchain_auto_uses_onednn_and_compiled_says_why(
     monkeypatch.setattr(kernels.EXTENSION, "_loaded", {})
     monkeypatch.setattr(kernels.EXTENSION, "build", no_compiler)
     model = load(model_dirs["target"])
-    with caplog.at_level(logging.WARNING, "specdec.engine.kernels"):
+    with caplog.at_level(logging.WARNING, "specdec.engine.compiled"):
         assert pack_linears(model, "auto") > 0
+        assert pack_linears(load(model_dirs["target"]), "auto") > 0
     assert kernel_of(model) == "packed" and "no C++ compiler" in caplog.text
+    assert caplog.text.count("streamed linear kernel unavailable") == 1  # once a process
     with pytest.raises(ValueError, match="compiled is not available: RuntimeError: no C"):
         pack_linears(load(model_dirs["target"]), "compiled")
 
@@ -175,7 +177,7 @@ def test_building_leaves_the_flags_and_so_the_name_alone(monkeypatch, tmp_path):
 
     monkeypatch.setenv("SPECDEC_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(cpp, "load", fake_load)
-    extension = compiled.Extension("specdec_test", "streamed_linear.cpp", "a test kernel")
+    extension = compiled.Extension("specdec_test", "streamed_linear.cpp", "a test kernel", "none")
     before = extension.module_name()
     assert not isinstance(extension.get(), str)
     assert extension.module_name() == before
