@@ -29,7 +29,13 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
                 proposer.max_context,
                 lambda: getattr(getattr(proposer, "runtime", None), "batch_kv_bytes", 0),
             ),
-            Batcher(proposer.process, settings.max_batch_size, 1 << 30, settings.max_wait_ms),
+            Batcher(
+                proposer.process,
+                settings.max_batch_size,
+                1 << 30,
+                settings.max_wait_ms,
+                threads=settings.threads,
+            ),
             address,
         )
         self.proposer = proposer

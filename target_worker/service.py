@@ -40,6 +40,7 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
                 settings.max_batch_size,
                 settings.max_batch_tokens,
                 settings.max_wait_ms,
+                threads=settings.threads,
             ),
             address,
         )

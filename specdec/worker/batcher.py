@@ -7,11 +7,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from specdec.errors import Unavailable
+from specdec.worker.threads import model_thread
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ class Batcher:
     Items that arrive while the model is busy form the next batch. `process(items)` runs in
     the model thread and returns one result per item (an Exception instance fails only it) —
     except a lone session's small item (≤ `inline_tokens` positions: a round, not a prefill),
-    which runs on the event loop's thread without the two thread hand-offs.
+    which runs on the event loop's thread without the two thread hand-offs — where the model
+    runs on one torch thread only: with more, a pass on the loop's thread would start a second
+    OpenMP pool, which costs far more than the hand-offs save (`specdec.worker.threads`).
     """
 
     def __init__(
@@ -61,16 +64,18 @@ class Batcher:
         max_wait_ms: float,
         wait_fraction: float = 0.5,
         inline_tokens: int = 16,
+        threads: int = 1,
     ):
         self.process = process
-        self.inline_tokens = inline_tokens  # a lone item this small skips the model thread
+        # a lone item this small skips the model thread (one torch thread only: see above)
+        self.inline_tokens = inline_tokens if threads <= 1 else 0
         self.wait_fraction = wait_fraction
         self.forward_s = 0.0  # EWMA of the forward time of a batch
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_ms / 1000.0
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.executor = model_thread()
         self._occupying: Future | None = None  # the latest job given by `occupy`
         self.in_flight = 0
         self._task: asyncio.Task | None = None

@@ -17,6 +17,7 @@ from specdec.serving.security import SecurityConfigError
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
 from specdec.serving.settings import add_flags, from_args
 from specdec.serving.trace_export import TracingConfigError, trace_exporters
+from specdec.worker.threads import on_a_passing_thread
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,9 @@ def worker_main(
 
     async def run() -> None:
         try:
-            service = build(settings)
+            # loaded on a thread that is gone before serving: every pass then runs on the
+            # model thread, the one OpenMP pool of the process (specdec.worker.threads)
+            service = on_a_passing_thread(build, settings)
         except ValueError as exc:  # a setting the model cannot take: say which, exit 1
             raise SystemExit(f"{prog}: {exc}") from None
         await serve_worker(settings, role, service, service_name, lambda: warm_up(service))

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from specdec.worker.batcher import Batcher, BatchRun
+from specdec.worker.threads import MODEL_THREAD
 
 HANG_S = 30.0  # a lost item would leave its submit waiting forever: fail instead of hanging
 
@@ -296,4 +297,23 @@ def test_a_lone_sessions_round_runs_on_the_loop_thread_and_anything_else_in_the_
     loop_thread = run(scenario, process, inline_tokens=16)
     model = [t for t in threads if t != loop_thread]
     assert threads[0] == loop_thread and threads[-1] == loop_thread
-    assert len(model) == len(threads) - 2 == 4 and all(t.startswith("model") for t in model)
+    assert len(model) == len(threads) - 2 == 4 and all(t.startswith(MODEL_THREAD) for t in model)
+
+
+def test_with_more_than_one_torch_thread_every_pass_runs_in_the_model_thread():
+    """At threads > 1 a lone session's round also goes to the model thread: a pass on the
+    loop's thread would start a second OpenMP pool (specdec.worker.threads)."""
+    import threading
+
+    threads: list[str] = []
+
+    def process(items):
+        threads.append(threading.current_thread().name)
+        return [x.value for x in items]
+
+    async def scenario(b):
+        for i in range(3):
+            await b.submit(item("solo", i), 1)
+
+    run(scenario, process, inline_tokens=16, threads=2)
+    assert len(threads) == 3 and all(t.startswith(MODEL_THREAD) for t in threads), threads
