@@ -12,6 +12,9 @@ MODES = (
 )
 SPECDEC = (("specdec_off", 0), ("specdec_g2", 2), ("specdec_g4", 4), ("specdec_g6", 6))
 SPECDEC += (("specdec_adaptive", None),)
+# speculation off as a user without a draft deploys it: the target worker on every thread the
+# HF peers have (a second stack, after the others; its draft worker idles)
+OFF_ALL_THREADS = "specdec_off_all_threads"
 # name: (target, draft, prompts): prompts are held-out chat questions (a JSON list the draft's
 # training wrote) or a list of held-out standard-library files.
 PAIRS = {
@@ -22,6 +25,7 @@ LABELS = {
     "hf_target": "HF generate, target only",
     "hf_assisted": "HF assisted generation",
     "specdec_off": "specdec, speculation off",
+    "specdec_off_all_threads": "specdec off, target all threads",
     "specdec_g2": "specdec, γ=2",
     "specdec_g4": "specdec, γ=4",
     "specdec_g6": "specdec, γ=6",

@@ -11,7 +11,7 @@ import tempfile
 import time
 
 from bench import metrics
-from bench.contenders import MODES, SPECDEC
+from bench.contenders import MODES, OFF_ALL_THREADS, SPECDEC
 from bench.interference import CpuWatch
 from bench.rows import key, make_row, progress_line
 from bench.serving import BenchStack
@@ -60,8 +60,32 @@ def in_process(args, context: list[int], job: str, **extra) -> dict:
     return result
 
 
+def measure_row(args, bench_stack, name, mode, gamma, concurrency, rows, raw, total, log):
+    """One contender's row through `bench_stack`, repeated while other processes disturbed it."""
+    started, best = time.monotonic(), None
+    for attempt in range(1 + args.retries):  # repeat disturbed measurements
+        watch, repeats = CpuWatch(), attempt
+        run = bench_stack.measure(mode, gamma, concurrency)
+        share = watch.others() or 0.0
+        if best is None or share < best[1]:
+            best = (run, share)
+        if share <= args.max_other_cpu:
+            break
+        log(f"  disturbed (other processes {100 * share:.0f}% CPU); again")
+    run, share = best
+    row = make_row(name, mode["name"], concurrency, run["requests"], run["wall_s"])
+    row["other_cpu"], row["repeats"] = share, repeats
+    row["acceptance"] = metrics.acceptance(run["requests"])
+    row.update({k: row["acceptance"][k] for k in ("acceptance_rate", "mean_acceptance_length")})
+    rows.append(row)
+    raw.append({**key(row), "wall_s": run["wall_s"], "requests": run["requests"]})
+    log(progress_line(len(rows), total, row, time.monotonic() - started))
+
+
 def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
-    """Every specdec contender through the whole stack; then the direct round breakdown."""
+    """Every specdec contender through the whole stack (target `--threads` − 1 threads, draft
+    1), the direct round breakdown on it; then speculation off on a stack whose target worker
+    has all `--threads` (as a user without a draft would deploy it)."""
     from bench.breakdown import breakdown
 
     warmups = [(mode, gamma) for _name, gamma in SPECDEC for mode in MODES]
@@ -71,29 +95,9 @@ def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
         for mode in MODES:
             for concurrency in args.concurrency:
                 for name, gamma in SPECDEC:
-                    started, best = time.monotonic(), None
-                    for attempt in range(1 + args.retries):  # repeat disturbed measurements
-                        watch, repeats = CpuWatch(), attempt
-                        run = bench_stack.measure(mode, gamma, concurrency)
-                        share = watch.others() or 0.0
-                        if best is None or share < best[1]:
-                            best = (run, share)
-                        if share <= args.max_other_cpu:
-                            break
-                        log(f"  disturbed (other processes {100 * share:.0f}% CPU); again")
-                    run, share = best
-                    row = make_row(name, mode["name"], concurrency, run["requests"], run["wall_s"])
-                    row["other_cpu"], row["repeats"] = share, repeats
-                    row["acceptance"] = metrics.acceptance(run["requests"])
-                    row.update(
-                        {
-                            k: row["acceptance"][k]
-                            for k in ("acceptance_rate", "mean_acceptance_length")
-                        }
+                    measure_row(
+                        args, bench_stack, name, mode, gamma, concurrency, rows, raw, total, log
                     )
-                    rows.append(row)
-                    raw.append({**key(row), "wall_s": run["wall_s"], "requests": run["requests"]})
-                    log(progress_line(len(rows), total, row, time.monotonic() - started))
         log("round breakdown: the stack's workers driven directly (greedy, one session)")
         stack = bench_stack.stack
         rounds = breakdown(
@@ -110,6 +114,17 @@ def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
                 f"{r['draft_forward_ms']:.1f} + draft RPC {r['draft_rpc_ms']:.1f} + target forward "
                 f"{r['target_forward_ms']:.1f} + verify RPC {r['target_rpc_ms']:.1f}"
             )
-        return rounds
     finally:
         bench_stack.stop()
+    log(f"speculation off on a stack whose target worker has all {args.threads} threads")
+    solo = BenchStack(args, prompts, log, [(mode, 0) for mode in MODES], args.threads)
+    try:
+        solo.start()
+        for mode in MODES:
+            for concurrency in args.concurrency:
+                measure_row(
+                    args, solo, OFF_ALL_THREADS, mode, 0, concurrency, rows, raw, total, log
+                )
+    finally:
+        solo.stop()
+    return rounds

@@ -97,26 +97,42 @@ def load_on_stack(
     """One stack of `settings`, warmed up, then per (mode, γ) one closed-loop load of the
     prompts (`bench.serving.run_load`, EOS ignored): aggregate tokens/s and the outputs. What
     an A/B bench of whole stacks runs on each of its stacks in turn."""
+    results = loads_on_stack(settings, prompts, modes, gammas, tokens, (concurrency,))
+    return {(mode, gamma): result for (mode, gamma, _), result in results.items()}
+
+
+def loads_on_stack(
+    settings: StackSettings, prompts, modes, gammas, tokens: int, concurrencies
+) -> dict[tuple[str, int | None, int], tuple[float, list[list[int]]]]:
+    """`load_on_stack` at each of `concurrencies` in turn, on one stack."""
     from bench.serving import run_load_sync
 
     results = {}
     with Stack(settings) as stack:
-        # warm-up: each measured (mode, γ) once, at the load's concurrency, 16 tokens (as
-        # `bench.serving.BenchStack`): the first run of a pass shape on the workers costs
-        # far more (the kernels' first calls); a warm-up at another concurrency left the
-        # first measured setting up to ~25 % slow (docs/benchmarks.md)
-        for mode in modes:
-            for gamma in gammas:
-                run_load_sync(
-                    stack.address, prompts[:concurrency], MODES[mode], gamma, 16, concurrency, 300
-                )
-        for mode in modes:
-            for gamma in gammas:
-                run = run_load_sync(
-                    stack.address, prompts, MODES[mode], gamma, tokens, concurrency, 900
-                )
-                outputs = [r["token_ids"] for r in run["requests"]]
-                results[mode, gamma] = (sum(map(len, outputs)) / run["wall_s"], outputs)
+        for concurrency in concurrencies:
+            # warm-up: each measured (mode, γ) once, at the load's concurrency, 16 tokens (as
+            # `bench.serving.BenchStack`): the first run of a pass shape on the workers costs
+            # far more (the kernels' first calls); a warm-up at another concurrency left the
+            # first measured setting up to ~25 % slow (docs/benchmarks.md)
+            for mode in modes:
+                for gamma in gammas:
+                    run_load_sync(
+                        stack.address,
+                        prompts[:concurrency],
+                        MODES[mode],
+                        gamma,
+                        16,
+                        concurrency,
+                        300,
+                    )
+            for mode in modes:
+                for gamma in gammas:
+                    run = run_load_sync(
+                        stack.address, prompts, MODES[mode], gamma, tokens, concurrency, 900
+                    )
+                    outputs = [r["token_ids"] for r in run["requests"]]
+                    rate = sum(map(len, outputs)) / run["wall_s"]
+                    results[mode, gamma, concurrency] = (rate, outputs)
     return results
 
 

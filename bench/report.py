@@ -11,6 +11,7 @@ ORDER = (
     "hf_target",
     "hf_assisted",
     "specdec_off",
+    "specdec_off_all_threads",
     "specdec_g2",
     "specdec_g4",
     "specdec_g6",
@@ -130,8 +131,11 @@ def goals(
         got = ratio(find(rows, "specdec_adaptive", mode, 1), find(rows, "hf_assisted", mode, 1))
         add(f"conc 1 {mode}: adaptive ≥ {need}× HF assisted", got, need)
     for mode in ("greedy", "sampling"):
-        got = ratio(find(rows, "specdec_off", mode, 1), find(rows, "hf_target", mode, 1))
-        add(f"conc 1 {mode}: speculation off ≥ 0.95× HF generate", got, 0.95)
+        # the serving overhead: speculation off with the target on HF's threads, where measured
+        off = find(rows, "specdec_off_all_threads", mode, 1)
+        named = "speculation off (target on HF's threads)" if off else "speculation off"
+        got = ratio(off or find(rows, "specdec_off", mode, 1), find(rows, "hf_target", mode, 1))
+        add(f"conc 1 {mode}: {named} ≥ 0.95× HF generate", got, 0.95)
     for b in bounds:
         if b["contender"] == "specdec_adaptive":
             add(
@@ -202,22 +206,21 @@ def analyse(meta: dict, costs: dict, rows: list[dict], checks: dict, rounds: lis
             ref = find(rows, peer, row["mode"], row["concurrency"])
             row[f"speedup_vs_{peer}"] = row["tokens_per_s"] / ref["tokens_per_s"] if ref else None
     rows.sort(key=lambda r: (r["mode"] != "greedy", r["concurrency"], ORDER.index(r["contender"])))
+    # the bounds' in-process costs are at the speculating stack's threads: its rows only
+    bounded = {*FIXED_GAMMA, "specdec_adaptive"}
     bounds = [
-        bound_for(r, costs)
-        for r in rows
-        if r["concurrency"] == 1 and r["contender"].startswith("specdec")
+        bound_for(r, costs) for r in rows if r["concurrency"] == 1 and r["contender"] in bounded
     ]
     batch = costs.get("batch", {})
     in_flight = batch.get("in_flight", {})
     batch_bounds = [
         batch_bound_for(r, batch["batches"][str(n)], n)
         for r in rows
-        if r["contender"].startswith("specdec")
-        and (n := in_flight.get(str(r["concurrency"]), 1)) > 1
+        if r["contender"] in bounded and (n := in_flight.get(str(r["concurrency"]), 1)) > 1
     ]
     per_position = {
         f"{name}/{mode}": pooled_per_position(rows, name, mode)
-        for name in ORDER[3:]
+        for name in ORDER[4:]
         for mode in ("greedy", "sampling")
     }
     return {
@@ -274,7 +277,7 @@ def plots(result: dict, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     pooled = result["acceptance_per_position_pooled"]
     for ax, mode in zip(axes, ("greedy", "sampling")):
-        for name in ORDER[3:]:
+        for name in ORDER[4:]:
             rates = pooled.get(f"{name}/{mode}", [])
             if rates:
                 label = next(r["label"] for r in rows if r["contender"] == name)

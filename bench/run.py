@@ -14,9 +14,11 @@ Contenders, on each pair and its held-out prompts, for greedy and for sampling
   2. HF assisted generation (`assistant_model=draft`, HF's default assistant settings);
   3. specdec with speculation off (num_speculative_tokens = 0), through the whole stack;
   4. specdec with fixed γ = 2, 4, 6;
-  5. specdec adaptive (num_speculative_tokens unset).
+  5. specdec adaptive (num_speculative_tokens unset);
+  6. specdec with speculation off on a second stack whose target worker has all the threads
+     (as a user without a draft deploys it).
 Same CPU threads for everyone: the HF peers run in a subprocess with 2 torch threads; the
-stack's target and draft workers get 1 thread each. The HF peers serve at batch size 1, so
+stack's target and draft workers get 1 thread each (6.: the target 2). The HF peers serve at batch size 1, so
 concurrent requests queue behind each other (reported as sequential service).
 Same device and dtype for everyone: `--device`/`--dtype` (default: the workers' SPECDEC_DEVICE
 and SPECDEC_DTYPE, else auto: CUDA in bfloat16 where there is one, else the CPU in float32)
@@ -137,7 +139,7 @@ def bench_pair(args, argv) -> None:
     else:
         prompts, prompt_info = heldout_prompts(tokenizer, args.prompts, 64, args.prompt_source)
     log(f"== pair {args.pair}: target {args.target_model}, draft {args.draft_model}")
-    total = len(MODES) * len(args.concurrency) * (2 + len(SPECDEC))
+    total = len(MODES) * len(args.concurrency) * (3 + len(SPECDEC))
     log(
         f"specdec bench{' --quick' if args.quick else ''}: {args.prompts} held-out prompts, "
         f"{args.max_new_tokens} new tokens, concurrency {args.concurrency}, "
@@ -243,6 +245,7 @@ def bench_pair(args, argv) -> None:
             "hf_peers": args.threads,
             "stack_target_worker": args.threads - 1,
             "stack_draft_worker": 1,
+            "off_all_threads_target_worker": args.threads,
             "cost_measurement": 1,
         },
         "linear_kernels": {

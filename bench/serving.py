@@ -104,9 +104,13 @@ class StackDied(RuntimeError):
 class BenchStack:
     """The local stack for the benchmark; restarted when one of its processes dies."""
 
-    def __init__(self, args, prompts, log, warmups: list[tuple[dict, int | None]]):
+    def __init__(
+        self, args, prompts, log, warmups: list[tuple[dict, int | None]], target_threads: int = 0
+    ):
         self.args, self.prompts, self.log = args, prompts, log
         self.warmups = warmups  # (mode, γ) of every contender: each is run once, batched
+        # default: the threads a speculating stack leaves its target (one is the draft's)
+        self.target_threads = target_threads or args.threads - 1
         self.stack = None
 
     def start(self) -> None:
@@ -118,7 +122,7 @@ class BenchStack:
                 port=0,
                 host="127.0.0.1",
                 draft_threads=1,
-                target_threads=args.threads - 1,
+                target_threads=self.target_threads,
                 target_args=["--linear-kernel", args.linear_kernel],
                 draft_args=["--linear-kernel", args.linear_kernel],
             )
@@ -129,7 +133,7 @@ class BenchStack:
             run_load_sync(
                 self.stack.address, self.prompts[:top], mode, gamma, 16, top, args.timeout_s
             )
-        self.log("  warmed up (every specdec contender, both modes, 16 tokens)")
+        self.log("  warmed up (each mode and γ it measures, 16 tokens)")
 
     def stop(self) -> None:
         if self.stack is not None:

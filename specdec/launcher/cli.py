@@ -42,6 +42,7 @@ SERVICES = {
     "bench process-ab": "bench.process_ab",
     "bench kernels": "bench.kernels",
     "bench attention-ab": "bench.attention_ab",
+    "bench split": "bench.split",
 }
 
 

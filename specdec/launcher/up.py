@@ -43,9 +43,9 @@ def up(argv: list[str]) -> int:
     p.add_argument("--draft-workers", type=int, default=env_default("draft-workers", 1))
     p.add_argument("--target-workers", type=int, default=env_default("target-workers", 1))
     p.add_argument("--draft-threads", type=int, default=env_default("draft-threads", 1))
-    p.add_argument(
-        "--target-threads", type=int, default=env_default("target-threads", max(1, cores - 1))
-    )
+    # all the cores for the target: at one request its passes and the draft's steps take turns,
+    # and under load sharing them beat a core each (`specdec bench split`, docs/benchmarks.md)
+    p.add_argument("--target-threads", type=int, default=env_default("target-threads", cores))
     p.add_argument(
         "--proposer",
         type=flag_type(str, {"choices": ["model", "ngram"]}),
@@ -122,9 +122,15 @@ def up(argv: list[str]) -> int:
     print("  " + model_line("target", args.target_model), flush=True)
     if args.proposer == "model":
         print("  " + model_line("draft", args.draft_model), flush=True)
+    coordinator_args = []
+    threads = args.target_threads * args.target_workers + args.draft_threads * args.draft_workers
+    if args.proposer == "model" and threads > cores and not os.environ.get("SPECDEC_PIPELINE"):
+        # a draft block drafted during a verify would take a core from the target's pass
+        coordinator_args = ["--pipeline", "off"]
     stack = Stack(
         StackSettings(
             target_model=args.target_model,
+            coordinator_args=coordinator_args,
             draft_model=args.draft_model,
             port=args.port,
             host=args.host,
@@ -153,7 +159,8 @@ def up(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     print(
         f"specdec up: starting ({cores} cores: target {args.target_threads} thread(s) × {args.target_workers}, "
-        f"draft {args.draft_threads} thread(s) × {args.draft_workers})",
+        f"draft {args.draft_threads} thread(s) × {args.draft_workers}"
+        + ("; pipelined rounds off: the workers share the cores)" if coordinator_args else ")"),
         flush=True,
     )
     try:

@@ -40,3 +40,16 @@ def test_the_spy_sees_the_full_benchmark_for_plain_bench(monkeypatch):
         cli.main(["bench", "--help"])
     assert called[0] == "bench.run"
     assert len(SUBCOMMANDS) >= 10
+
+
+def test_bench_split_reads_its_splits_and_names_a_bad_one():
+    from bench.split import main, parse_split
+
+    assert parse_split("2+1:off") == (2, 1, "off")
+    assert parse_split("1+1:auto") == (1, 1, "auto")
+    for bad in ("2+1", "2:off", "0+1:off", "2+1:maybe", "a+1:on"):
+        with pytest.raises(ValueError, match="--splits"):
+            parse_split(bad)
+    with pytest.raises(SystemExit) as done:  # refused before any stack starts
+        main(["--splits", "1+1:auto,3:on"])
+    assert done.value.code == 2
