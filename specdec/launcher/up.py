@@ -19,6 +19,16 @@ from specdec.launcher.models import (
 from specdec.serving.settings import LOG_LEVELS, env_default, flag_type
 
 
+def pipeline_args(args, cores: int, environ) -> list[str]:
+    """The coordinator's `--pipeline off` where the workers' threads exceed the cores and
+    SPECDEC_PIPELINE does not say otherwise: a block drafted during a verify would take a core
+    from the target's pass (`specdec bench split`, docs/benchmarks.md)."""
+    threads = args.target_threads * args.target_workers + args.draft_threads * args.draft_workers
+    if args.proposer == "model" and threads > cores and not environ.get("SPECDEC_PIPELINE"):
+        return ["--pipeline", "off"]
+    return []
+
+
 def up(argv: list[str]) -> int:
     from specdec.launcher.stack import Stack, StackError, StackSettings
 
@@ -122,11 +132,7 @@ def up(argv: list[str]) -> int:
     print("  " + model_line("target", args.target_model), flush=True)
     if args.proposer == "model":
         print("  " + model_line("draft", args.draft_model), flush=True)
-    coordinator_args = []
-    threads = args.target_threads * args.target_workers + args.draft_threads * args.draft_workers
-    if args.proposer == "model" and threads > cores and not os.environ.get("SPECDEC_PIPELINE"):
-        # a draft block drafted during a verify would take a core from the target's pass
-        coordinator_args = ["--pipeline", "off"]
+    coordinator_args = pipeline_args(args, cores, os.environ)
     stack = Stack(
         StackSettings(
             target_model=args.target_model,
