@@ -3,13 +3,14 @@
     python -m bench.inproc JOB.json RESULT.json
 
 Jobs (JOB["job"]):
-- "costs": per-token latencies at batch 1 with a KV cache, `threads` intra-op threads (1 for
-  the performance model): one target step, one draft step, and one target forward of γ+1
+- "costs": per-token latencies at batch 1 with a KV cache, the target at `target_threads`
+  intra-op threads and the draft at `draft_threads` (as the stack's workers have them; both
+  default to `threads`): one target step, one draft step, and one target forward of γ+1
   tokens (verify) for γ = 1..max_gamma. Gives c = draft/target and v(γ) = verify/target.
 - "batch_costs": the same per-pass costs at batch N (the concurrency of the run's rows), as
   the stack's workers run them (`ModelRuntime`: their linear kernels and batched attention,
-  and the SPECDEC_DEVICE / SPECDEC_DTYPE / SPECDEC_BATCH_ATTENTION they read, 1 intra-op
-  thread): one target pass of N sessions with k new tokens each (k = 1 .. γ+1) and
+  and the SPECDEC_DEVICE / SPECDEC_DTYPE / SPECDEC_BATCH_ATTENTION they read, their threads
+  as above): one target pass of N sessions with k new tokens each (k = 1 .. γ+1) and
   one draft step of N sessions. Gives the bound at concurrency N (`bench.report`).
 - "hf": the in-process peers a user would pick instead of specdec — Hugging Face `generate`
   with the target alone, and assisted generation (`assistant_model=draft`, HF's default
@@ -88,11 +89,13 @@ def measure_costs(job: dict) -> dict:
     max_gamma, reps = job["max_gamma"], job["reps"]
     cases = [("target_step", target, 1), ("draft_step", draft, 1)]
     cases += [(f"verify_{g}", target, g + 1) for g in range(1, max_gamma + 1)]
+    threads = model_threads(job, target, draft)
     caches = {name: model(context, use_cache=True).past_key_values for name, model, _ in cases}
     times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
     ctx_len = context.shape[1]
     for rep in range(reps + job["warmup"]):
         for name, model, k in cases:  # interleaved, so drift hits every case alike
+            torch.set_num_threads(threads[id(model)])
             cache = caches[name]
             cache.crop(ctx_len - k - cache.get_seq_length())  # negative: drop the last k positions
             synchronize(context.device)
@@ -104,7 +107,7 @@ def measure_costs(job: dict) -> dict:
     ms = {name: 1000.0 * statistics.median(t) for name, t in times.items()}
     step = ms["target_step"]
     return {
-        "threads": torch.get_num_threads(),
+        "threads": {"target": threads[id(target)], "draft": threads[id(draft)]},
         "context_tokens": ctx_len,
         "reps": reps,
         "target_step_ms": step,
@@ -112,6 +115,16 @@ def measure_costs(job: dict) -> dict:
         "verify_ms": {g: ms[f"verify_{g}"] for g in range(1, max_gamma + 1)},
         "c": ms["draft_step"] / step,
         "v": {g: ms[f"verify_{g}"] / step for g in range(1, max_gamma + 1)},
+    }
+
+
+def model_threads(job: dict, target, draft) -> dict[int, int]:
+    """Intra-op threads by model (keyed by id): the job's target_threads and draft_threads, as
+    the stack's workers run them, else its `threads` for both."""
+    default = int(job.get("threads", 1))
+    return {
+        id(target): int(job.get("target_threads", default)),
+        id(draft): int(job.get("draft_threads", default)),
     }
 
 
@@ -164,6 +177,7 @@ def measure_batch_costs(job: dict) -> dict:
         return ModelRuntime(settings)
 
     target, draft = runtime(job["target_model"]), runtime(job["draft_model"])
+    threads = model_threads(job, target, draft)
     context, max_gamma, reps = job["context"], job["max_gamma"], job["reps"]
     out = {}
     for n in job["batches"]:
@@ -180,6 +194,7 @@ def measure_batch_costs(job: dict) -> dict:
         times: dict[str, list[float]] = {name: [] for name, *_ in cases}
         for rep in range(reps + job["warmup"]):
             for name, model, group, k in cases:  # interleaved, so drift hits every case alike
+                torch.set_num_threads(threads[id(model)])
                 elapsed = timed_pass(
                     model, group, [context[(rep + j) % len(context)] for j in range(k)]
                 )
@@ -190,7 +205,8 @@ def measure_batch_costs(job: dict) -> dict:
             "pass_ms": {str(k): ms[f"target_{k}"] for k in range(1, max_gamma + 2)},
             "draft_step_ms": ms["draft_1"],
         }
-    return {"threads": torch.get_num_threads(), "context_tokens": len(context), "batches": out}
+    threads = {"target": threads[id(target)], "draft": threads[id(draft)]}
+    return {"threads": threads, "context_tokens": len(context), "batches": out}
 
 
 class TokenClock:

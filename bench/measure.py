@@ -40,13 +40,16 @@ def subprocess_job(job: dict, timeout_s: float) -> dict:
 
 
 def in_process(args, context: list[int], job: str, **extra) -> dict:
-    """One `bench.inproc` job on the pair (1 thread, the workers' linear kernels, γ up to 8),
-    with the share of the CPU other processes took meanwhile."""
+    """One `bench.inproc` job on the pair (each model at its worker's threads in the stack, the
+    workers' linear kernels, γ up to 8), with the share of the CPU other processes took
+    meanwhile."""
     watch = CpuWatch()
     result = subprocess_job(
         {
             "job": job,
-            "threads": 1,
+            "threads": max(args.target_threads, args.draft_threads),
+            "target_threads": args.target_threads,
+            "draft_threads": args.draft_threads,
             "target_model": args.target_model,
             "draft_model": args.draft_model,
             "context": context,
@@ -83,9 +86,9 @@ def measure_row(args, bench_stack, name, mode, gamma, concurrency, rows, raw, to
 
 
 def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
-    """Every specdec contender through the whole stack (target `--threads` − 1 threads, draft
-    1), the direct round breakdown on it; then speculation off on a stack whose target worker
-    has all `--threads` (as a user without a draft would deploy it)."""
+    """Every specdec contender through the whole stack (`--split`), the direct round breakdown
+    on it; then, where the split leaves the target fewer than `--threads`, speculation off on
+    a stack whose target worker has all of them (as a user without a draft would deploy it)."""
     from bench.breakdown import breakdown
 
     warmups = [(mode, gamma) for _name, gamma in SPECDEC for mode in MODES]
@@ -116,6 +119,8 @@ def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
             )
     finally:
         bench_stack.stop()
+    if args.target_threads >= args.threads:
+        return rounds  # the stack's own speculation off is that row
     log(f"speculation off on a stack whose target worker has all {args.threads} threads")
     solo = BenchStack(args, prompts, log, [(mode, 0) for mode in MODES], args.threads)
     try:

@@ -15,10 +15,15 @@ Contenders, on each pair and its held-out prompts, for greedy and for sampling
   3. specdec with speculation off (num_speculative_tokens = 0), through the whole stack;
   4. specdec with fixed γ = 2, 4, 6;
   5. specdec adaptive (num_speculative_tokens unset);
-  6. specdec with speculation off on a second stack whose target worker has all the threads
-     (as a user without a draft deploys it).
-Same CPU threads for everyone: the HF peers run in a subprocess with 2 torch threads; the
-stack's target and draft workers get 1 thread each (6.: the target 2). The HF peers serve at batch size 1, so
+  6. where `--split` leaves the target fewer than `--threads`: specdec with speculation off
+     on a second stack whose target worker has all of them (as a user without a draft
+     deploys it).
+Same CPUs for everyone: the HF peers run in a subprocess with `--threads` (2) torch threads,
+one model after the other; the stack's split is `--split T+D:P` — target worker T threads,
+draft worker D, coordinator `--pipeline P` — by default all `--threads` for the target, 1 for
+the draft and pipelining off: at one request the draft's steps and the target's pass take
+turns, as HF's do, and on shared cores this split beat one core each at every concurrency
+(`specdec bench split`, docs/benchmarks.md "One OpenMP pool a worker"). The HF peers serve at batch size 1, so
 concurrent requests queue behind each other (reported as sequential service).
 Same device and dtype for everyone: `--device`/`--dtype` (default: the workers' SPECDEC_DEVICE
 and SPECDEC_DTYPE, else auto: CUDA in bfloat16 where there is one, else the CPU in float32)
@@ -62,6 +67,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="default 128, quick 64")
     parser.add_argument("--concurrency", help="comma-separated (default 1,4,16, quick 1,4)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per contender")
+    parser.add_argument(
+        "--split",
+        help="the stack's T+D:P: target threads + draft threads : --pipeline "
+        "(default: --threads + 1 : off)",
+    )
     # the workers' own --device, --dtype and --linear-kernel (same env, choices, checks):
     # bench.run gives them to the workers, the HF peers and the per-token costs alike
     add_flags(parser, WorkerSettings, only=("device", "dtype", "linear_kernel"))
@@ -91,8 +101,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.concurrency = [
         int(c) for c in (args.concurrency or ("1,4" if args.quick else "1,4,16")).split(",")
     ]
-    if args.threads < 2:
-        parser.error("--threads must be >= 2 (one for the draft worker, the rest for the target)")
+    if args.threads < 1:
+        parser.error("--threads must be >= 1")
+    from bench.split import parse_split
+
+    try:
+        split = parse_split(args.split or f"{args.threads}+1:off")
+    except ValueError as exc:
+        parser.error(str(exc).replace("--splits", "--split"))
+    args.target_threads, args.draft_threads, args.pipeline = split
     return args
 
 
@@ -139,14 +156,19 @@ def bench_pair(args, argv) -> None:
     else:
         prompts, prompt_info = heldout_prompts(tokenizer, args.prompts, 64, args.prompt_source)
     log(f"== pair {args.pair}: target {args.target_model}, draft {args.draft_model}")
-    total = len(MODES) * len(args.concurrency) * (3 + len(SPECDEC))
+    solo = args.target_threads < args.threads  # the extra speculation-off stack
+    total = len(MODES) * len(args.concurrency) * (2 + solo + len(SPECDEC))
     log(
         f"specdec bench{' --quick' if args.quick else ''}: {args.prompts} held-out prompts, "
         f"{args.max_new_tokens} new tokens, concurrency {args.concurrency}, "
-        f"{os.cpu_count()} CPUs; HF peers {args.threads} threads, stack target {args.threads - 1} + draft 1"
+        f"{os.cpu_count()} CPUs; HF peers {args.threads} threads, stack target "
+        f"{args.target_threads} + draft {args.draft_threads} threads, --pipeline {args.pipeline}"
     )
 
-    log("measuring per-token costs in-process (1 thread): target step, draft step, verify(γ+1)")
+    log(
+        f"measuring per-token costs in-process (target {args.target_threads} thread(s), draft "
+        f"{args.draft_threads}): target step, draft step, verify(γ+1)"
+    )
     context = [t for p in prompts for t in p][: 64 + args.max_new_tokens // 2]
     costs = in_process(args, context, "costs", reps=30 if args.quick else 100, warmup=5)
     v_text = ", ".join(f"v({g})={x:.2f}" for g, x in costs["v"].items())
@@ -158,7 +180,7 @@ def bench_pair(args, argv) -> None:
     in_flight = {str(c): min(c, len(prompts)) for c in args.concurrency}
     batches = sorted({n for n in in_flight.values() if n > 1})
     if batches:
-        log(f"measuring per-pass costs at batch {batches} in-process (1 thread), as workers run")
+        log(f"measuring per-pass costs at batch {batches} in-process, as the workers run them")
         costs["batch"] = in_process(
             args, context, "batch_costs", batches=batches, reps=5 if args.quick else 15, warmup=2
         )
@@ -215,7 +237,10 @@ def bench_pair(args, argv) -> None:
         (out / "peers.json").write_text(json.dumps({"command": argv, "rows": rows}, indent=1))
         log(f"peers only: wrote {out / 'peers.json'}")
         return
-    log(f"specdec stack: target worker {args.threads - 1} thread(s), draft worker 1 thread")
+    log(
+        f"specdec stack: target worker {args.target_threads} thread(s), draft worker "
+        f"{args.draft_threads}, coordinator --pipeline {args.pipeline}"
+    )
     rounds = run_stack(args, prompts, costs, rows, raw, total, log)
 
     checks = {}
@@ -243,10 +268,11 @@ def bench_pair(args, argv) -> None:
         },
         "threads": {
             "hf_peers": args.threads,
-            "stack_target_worker": args.threads - 1,
-            "stack_draft_worker": 1,
+            "stack_target_worker": args.target_threads,
+            "stack_draft_worker": args.draft_threads,
+            "stack_pipeline": args.pipeline,
             "off_all_threads_target_worker": args.threads,
-            "cost_measurement": 1,
+            "cost_measurement": "each model at its worker's threads",
         },
         "linear_kernels": {
             "stack_and_costs": args.linear_kernel,

@@ -109,8 +109,8 @@ class BenchStack:
     ):
         self.args, self.prompts, self.log = args, prompts, log
         self.warmups = warmups  # (mode, γ) of every contender: each is run once, batched
-        # default: the threads a speculating stack leaves its target (one is the draft's)
-        self.target_threads = target_threads or args.threads - 1
+        # default: the benchmark's split (`--split`); speculation off on all threads: more
+        self.target_threads = target_threads or args.target_threads
         self.stack = None
 
     def start(self) -> None:
@@ -121,8 +121,9 @@ class BenchStack:
                 draft_model=args.draft_model,
                 port=0,
                 host="127.0.0.1",
-                draft_threads=1,
+                draft_threads=args.draft_threads,
                 target_threads=self.target_threads,
+                coordinator_args=["--pipeline", args.pipeline],
                 target_args=["--linear-kernel", args.linear_kernel],
                 draft_args=["--linear-kernel", args.linear_kernel],
             )

@@ -24,6 +24,14 @@ def per_position(rates: list[float]) -> str:
     return " ".join(f"{r:.2f}".lstrip("0") for r in rates) if rates else "n/a"
 
 
+def cost_threads(costs: dict) -> str:
+    """How many threads the in-process costs ran at (older results: one number)."""
+    threads = costs.get("threads", 1)
+    if isinstance(threads, dict):
+        return f"target {threads['target']} thread(s), draft {threads['draft']}"
+    return f"{threads} thread(s)"
+
+
 def header(result: dict) -> list[str]:
     meta, costs = result["meta"], result["costs"]
     threads = meta["threads"]
@@ -39,8 +47,9 @@ def header(result: dict) -> list[str]:
         f"({meta['machine']['platform']}), "
         f"Python {meta['machine']['python']}",
         f"- Threads: HF peers {threads['hf_peers']} torch threads in one process; specdec target worker "
-        f"{threads['stack_target_worker']} + draft worker {threads['stack_draft_worker']} "
-        f"(= {threads['stack_target_worker'] + threads['stack_draft_worker']}). The coordinator, Redis "
+        f"{threads['stack_target_worker']} + draft worker {threads['stack_draft_worker']}, "
+        f"coordinator --pipeline {threads.get('stack_pipeline', 'auto')}, on the same "
+        f"{meta['machine']['cpus']} cores. The coordinator, Redis "
         "and the benchmark client share the same cores and are not counted.",
         f"- Models: target `{meta['target_model']}`, draft `{meta['draft_model']}` "
         f"({meta['machine'].get('dtype', 'float32')}, {'CPU' if on_cpu else device})",
@@ -55,7 +64,8 @@ def header(result: dict) -> list[str]:
         "- Sampling: greedy; and temperature 0.8, top-p 0.95 (top-k off). "
         "HF assisted generation uses HF's default assistant settings "
         f"({meta['hf_assistant_defaults']}).",
-        f"- Per-token costs in-process (1 thread, KV cache of {costs['context_tokens']} tokens): "
+        f"- Per-token costs in-process ({cost_threads(costs)}, KV cache of "
+        f"{costs['context_tokens']} tokens): "
         f"target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
         f"c = {costs['c']:.3f}; {v}. Other processes used {fmt(share(costs), 0, '%')} of the "
         "machine meanwhile.",
@@ -135,7 +145,7 @@ def batch_bounds_table(result: dict) -> list[str]:
     lines = [
         "## Performance-model bound under load (concurrency > 1)",
         "",
-        "N sessions in flight in lock-step, from in-process passes as the workers run them (1 thread): a "
+        "N sessions in flight in lock-step, from in-process passes as the workers run them (their threads): a "
         "round is γ draft steps of N sessions, then one target pass of N × (γ + 1) positions, "
         "and commits N·E(α̂, γ) tokens; speculation off is one pass of N × 1 a token. No "
         "network, coordination or verify math. α̂ measured in this run; for the adaptive policy "
@@ -166,7 +176,7 @@ def breakdown_table(result: dict) -> list[str]:
         "the coordinator drives them (median ms per round, first round excluded). Worker forward "
         "= the worker's own forward time; RPC + handling = client-side call time minus it "
         "(gRPC, protobuf, base checks, KV bookkeeping, sampling). In-process = the same work "
-        "in plain HF at 1 thread. Stack round = the full stack's time per round at concurrency 1 "
+        "in plain HF at the workers' threads. Stack round = the full stack's time per round at concurrency 1 "
         "(TPOT × tokens per round); coordinator = stack round − direct round (Redis commit, "
         "streaming, asyncio scheduling).",
         "",

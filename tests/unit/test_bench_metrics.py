@@ -131,7 +131,8 @@ def test_batch_costs_job_times_passes_as_the_workers_run_them(model_dirs):
         "reps": 2,
         "warmup": 1,
     }
-    out = measure_batch_costs(job)
+    out = measure_batch_costs({**job, "target_threads": 2, "draft_threads": 1})
+    assert out["threads"] == {"target": 2, "draft": 1}  # each model at its worker's threads
     assert sorted(out["batches"]) == ["2", "4"]
     for costs in out["batches"].values():
         assert sorted(costs["pass_ms"]) == ["1", "2", "3"]
@@ -254,6 +255,19 @@ def test_bench_run_device_flags_reach_every_contender(monkeypatch):
     run.main(["--pair", "code", "--device", "cpu", "--dtype", "float32"])
     assert os.environ["SPECDEC_DEVICE"] == "cpu" and os.environ["SPECDEC_DTYPE"] == "float32"
     assert seen["device"] == "cpu"
+
+
+def test_bench_run_split_defaults_to_the_target_on_every_thread():
+    """`--split T+D:P`: by default the target worker gets all `--threads`, the draft 1, and
+    pipelining is off; a split is checked when the flags are read."""
+    from bench import run
+
+    args = run.parse([])
+    assert (args.target_threads, args.draft_threads, args.pipeline) == (2, 1, "off")
+    args = run.parse(["--threads", "4", "--split", "3+1:auto"])
+    assert (args.target_threads, args.draft_threads, args.pipeline) == (3, 1, "auto")
+    with pytest.raises(SystemExit):
+        run.parse(["--split", "2+1"])
 
 
 def test_report_header_names_the_device_the_models_ran_on():
