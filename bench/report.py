@@ -253,6 +253,8 @@ def plots(result: dict, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, mode in zip(axes, ("greedy", "sampling")):
         for name in ORDER:
+            if not any(r["contender"] == name for r in rows):
+                continue  # e.g. the all-threads speculation off, not run at every split
             ys = [find(rows, name, mode, c) for c in conc]
             ys = [r["tokens_per_s"] if r else float("nan") for r in ys]
             style = "--" if name.startswith("hf_") else "-o"
@@ -260,7 +262,7 @@ def plots(result: dict, out: Path) -> list[Path]:
                 conc,
                 ys,
                 style,
-                label=rows and next(r["label"] for r in rows if r["contender"] == name),
+                label=next(r["label"] for r in rows if r["contender"] == name),
             )
         ax.set_xscale("log", base=2)
         ax.set_xticks(conc, [str(c) for c in conc])
