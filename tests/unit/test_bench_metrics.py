@@ -293,3 +293,30 @@ def test_report_header_names_the_device_the_models_ran_on():
     meta["machine"].update(device="cuda:0", dtype="bfloat16")
     text = "\n".join(header({"meta": meta, "costs": costs}))
     assert "models on cuda:0" in text and "(bfloat16, cuda:0)" in text and "no GPU" not in text
+
+
+def test_plots_draw_only_the_contenders_a_run_measured(tmp_path):
+    """A run without some contender (the all-threads speculation off is run only where the
+    split leaves the target fewer threads) still gets its two plots."""
+    from bench.report import plots
+
+    rows = [
+        {"contender": c, "label": c, "mode": m, "concurrency": n, "tokens_per_s": 10.0 * n}
+        for c in ("hf_target", "hf_assisted", "specdec_off", "specdec_adaptive")
+        for m in ("greedy", "sampling")
+        for n in (1, 4)
+    ]
+    result = {
+        "rows": rows,
+        "meta": {"concurrency": [1, 4]},
+        "acceptance_per_position_pooled": {
+            "specdec_adaptive/greedy": [0.7, 0.4],
+            "specdec_adaptive/sampling": [0.6, 0.3],
+        },
+    }
+    paths = plots(result, tmp_path)
+    assert [p.name for p in paths] == [
+        "tokens_per_s_vs_concurrency.png",
+        "acceptance_per_position.png",
+    ]
+    assert all(p.stat().st_size > 0 for p in paths)
