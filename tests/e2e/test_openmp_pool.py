@@ -24,7 +24,6 @@ import grpc
 import pytest
 
 from specdec.core.prefix import fingerprint
-from specdec.serving.redis_embedded import free_port
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.worker.threads import LOAD_THREAD, MODEL_THREAD
 
@@ -37,7 +36,7 @@ PROMPT = [5, 6, 7, 8, 9, 10]
 class ProbedWorker:
     def __init__(self, role: str, model_dir: str, directory: str, threads: int):
         self.directory = directory
-        self.port = free_port()
+        self.address = ""  # the worker binds a free port itself (--port 0) and says which
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
         env["OMP_NUM_THREADS"] = "1"  # as the launcher starts workers: --threads sets torch's
         self.process = subprocess.Popen(
@@ -51,7 +50,7 @@ class ProbedWorker:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(self.port),
+                "0",
                 "--device",
                 "cpu",
                 "--threads",
@@ -71,7 +70,8 @@ class ProbedWorker:
         lines = []
         for line in self.process.stdout:
             lines.append(line)
-            if line.startswith("READY"):
+            if line.startswith("READY"):  # READY <role> <host:port>
+                self.address = line.split()[2]
                 return
         raise AssertionError("worker exited:\n" + "".join(lines[-40:]))
 
@@ -137,7 +137,7 @@ def test_one_openmp_pool_at_two_threads(role, model_dirs, tmp_path):
     worker = ProbedWorker(role, model_dirs[role], str(tmp_path), threads=2)
     try:
         worker.wait_ready()
-        serve_rounds(role, f"127.0.0.1:{worker.port}")
+        serve_rounds(role, worker.address)
         threads = worker.threads()
         assert stray_pool_threads(threads) == [], threads
         # the model thread's pool: the model thread and one more (2 threads)
