@@ -16,8 +16,6 @@ import sys
 
 import pytest
 
-from specdec.serving.redis_embedded import free_port
-
 pytestmark = pytest.mark.slow
 
 
@@ -25,7 +23,7 @@ def run_worker(model_dir: str, *flags: str, timeout_s: float = 120.0) -> tuple[i
     """Start a target worker; return (exit code or None if it came up, its log so far)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
     env["OMP_NUM_THREADS"] = "1"
-    args = ["--model", model_dir, "--host", "127.0.0.1", "--port", str(free_port()), *flags]
+    args = ["--model", model_dir, "--host", "127.0.0.1", "--port", "0", *flags]
     proc = subprocess.Popen(
         [sys.executable, "-m", "target_worker", *args],
         stdout=subprocess.PIPE,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from specdec.core.prefix import fingerprint
-from specdec.serving.redis_embedded import EmbeddedRedis, free_port
+from specdec.serving.redis_embedded import EmbeddedRedis
 from specdec.serving.registry import list_workers
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -43,7 +44,7 @@ class WorkerProcess:
 
     def __init__(self, role: str, model_dir: str, redis_url: str):
         self.role = role
-        self.address = f"127.0.0.1:{free_port()}"
+        self.address = ""  # bound by the worker itself (--port 0): READY says which
         self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by kill()
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
         self.process = subprocess.Popen(
@@ -56,7 +57,7 @@ class WorkerProcess:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                self.address.rsplit(":", 1)[1],
+                "0",
                 "--redis-url",
                 redis_url,
                 "--device",
@@ -95,7 +96,8 @@ class WorkerProcess:
             except queue.Empty:
                 assert self.process.poll() is None, f"{self.role} exited:\n{self.logs()}"
                 continue
-            if line.startswith("READY"):
+            if line.startswith("READY"):  # READY <role> <host:port>: the port it bound
+                self.address = line.split()[2]
                 return line
         raise AssertionError(f"{self.role} not READY in {timeout_s}s:\n{self.logs()}")
 
@@ -157,7 +159,8 @@ def test_workers_serve_register_and_drain_on_sigterm(model_dirs, redis_url):
     held_open = threading.Event()  # the caller's side of the call streams stays open
     try:
         for role, worker in workers.items():
-            assert worker.wait_ready(READY_TIMEOUT_S) == f"READY {role} {worker.address}"
+            ready = worker.wait_ready(READY_TIMEOUT_S)
+            assert re.fullmatch(rf"READY {role} 127\.0\.0\.1:[1-9]\d*", ready), ready
             channels[role] = grpc.insecure_channel(worker.address)
             health = health_pb2_grpc.HealthStub(channels[role])
             service = "specdec.v1.TargetWorker" if role == "target" else "specdec.v1.DraftWorker"
