@@ -89,13 +89,13 @@ def measure_costs(job: dict) -> dict:
     max_gamma, reps = job["max_gamma"], job["reps"]
     cases = [("target_step", target, 1), ("draft_step", draft, 1)]
     cases += [(f"verify_{g}", target, g + 1) for g in range(1, max_gamma + 1)]
-    threads = model_threads(job, target, draft)
+    target_threads, draft_threads = model_threads(job)
     caches = {name: model(context, use_cache=True).past_key_values for name, model, _ in cases}
     times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
     ctx_len = context.shape[1]
     for rep in range(reps + job["warmup"]):
         for name, model, k in cases:  # interleaved, so drift hits every case alike
-            torch.set_num_threads(threads[id(model)])
+            torch.set_num_threads(target_threads if model is target else draft_threads)
             cache = caches[name]
             cache.crop(ctx_len - k - cache.get_seq_length())  # negative: drop the last k positions
             synchronize(context.device)
@@ -107,7 +107,7 @@ def measure_costs(job: dict) -> dict:
     ms = {name: 1000.0 * statistics.median(t) for name, t in times.items()}
     step = ms["target_step"]
     return {
-        "threads": {"target": threads[id(target)], "draft": threads[id(draft)]},
+        "threads": {"target": target_threads, "draft": draft_threads},
         "context_tokens": ctx_len,
         "reps": reps,
         "target_step_ms": step,
@@ -118,14 +118,11 @@ def measure_costs(job: dict) -> dict:
     }
 
 
-def model_threads(job: dict, target, draft) -> dict[int, int]:
-    """Intra-op threads by model (keyed by id): the job's target_threads and draft_threads, as
-    the stack's workers run them, else its `threads` for both."""
+def model_threads(job: dict) -> tuple[int, int]:
+    """Intra-op threads of the target and of the draft: the job's target_threads and
+    draft_threads, as the stack's workers run them, else its `threads` for both."""
     default = int(job.get("threads", 1))
-    return {
-        id(target): int(job.get("target_threads", default)),
-        id(draft): int(job.get("draft_threads", default)),
-    }
+    return int(job.get("target_threads", default)), int(job.get("draft_threads", default))
 
 
 def ragged_sessions(runtime, histories: list[list[int]], name: str = "s") -> list:
@@ -177,7 +174,7 @@ def measure_batch_costs(job: dict) -> dict:
         return ModelRuntime(settings)
 
     target, draft = runtime(job["target_model"]), runtime(job["draft_model"])
-    threads = model_threads(job, target, draft)
+    target_threads, draft_threads = model_threads(job)
     context, max_gamma, reps = job["context"], job["max_gamma"], job["reps"]
     out = {}
     for n in job["batches"]:
@@ -194,7 +191,7 @@ def measure_batch_costs(job: dict) -> dict:
         times: dict[str, list[float]] = {name: [] for name, *_ in cases}
         for rep in range(reps + job["warmup"]):
             for name, model, group, k in cases:  # interleaved, so drift hits every case alike
-                torch.set_num_threads(threads[id(model)])
+                torch.set_num_threads(target_threads if model is target else draft_threads)
                 elapsed = timed_pass(
                     model, group, [context[(rep + j) % len(context)] for j in range(k)]
                 )
@@ -205,7 +202,7 @@ def measure_batch_costs(job: dict) -> dict:
             "pass_ms": {str(k): ms[f"target_{k}"] for k in range(1, max_gamma + 2)},
             "draft_step_ms": ms["draft_1"],
         }
-    threads = {"target": threads[id(target)], "draft": threads[id(draft)]}
+    threads = {"target": target_threads, "draft": draft_threads}
     return {"threads": threads, "context_tokens": len(context), "batches": out}
 
 

@@ -7,16 +7,8 @@ from pathlib import Path
 
 from bench import metrics
 
-ORDER = (
-    "hf_target",
-    "hf_assisted",
-    "specdec_off",
-    "specdec_off_all_threads",
-    "specdec_g2",
-    "specdec_g4",
-    "specdec_g6",
-    "specdec_adaptive",
-)
+SPECULATING = ("specdec_g2", "specdec_g4", "specdec_g6", "specdec_adaptive")
+ORDER = ("hf_target", "hf_assisted", "specdec_off", "specdec_off_all_threads", *SPECULATING)
 FIXED_GAMMA = {"specdec_off": 0, "specdec_g2": 2, "specdec_g4": 4, "specdec_g6": 6}
 
 
@@ -220,7 +212,7 @@ def analyse(meta: dict, costs: dict, rows: list[dict], checks: dict, rounds: lis
     ]
     per_position = {
         f"{name}/{mode}": pooled_per_position(rows, name, mode)
-        for name in ORDER[4:]
+        for name in SPECULATING
         for mode in ("greedy", "sampling")
     }
     return {
@@ -279,7 +271,7 @@ def plots(result: dict, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     pooled = result["acceptance_per_position_pooled"]
     for ax, mode in zip(axes, ("greedy", "sampling")):
-        for name in ORDER[4:]:
+        for name in SPECULATING:
             rates = pooled.get(f"{name}/{mode}", [])
             if rates:
                 label = next(r["label"] for r in rows if r["contender"] == name)

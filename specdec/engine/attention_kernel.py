@@ -29,14 +29,9 @@ EXTENSION = Extension(
 
 def load(mode: str = "auto"):
     """The kernel's module, or None where `mode` is torch or (under auto) it cannot be built;
-    with compiled, RuntimeError naming why it cannot."""
+    with compiled, ValueError naming why it cannot."""
     if mode not in MODES:
         raise ValueError(f"attention_kernel: expected one of {list(MODES)}, got {mode!r}")
     if mode == "torch":
         return None
-    found = EXTENSION.get()
-    if isinstance(found, str):
-        if mode == "compiled":
-            raise RuntimeError(f"attention_kernel: compiled is not available: {found}")
-        return None  # the reason is logged once, by EXTENSION.get
-    return found
+    return EXTENSION.module("attention_kernel", required=mode == "compiled")

@@ -111,6 +111,16 @@ class Extension:
                     )
             return self._loaded[name]
 
+    def module(self, flag: str, required: bool):
+        """The built module, or None where it cannot be built (the reason is logged once, by
+        `get`); where the flag asks for it (`required`), ValueError naming the flag and why."""
+        found = self.get()
+        if not isinstance(found, str):
+            return found
+        if required:
+            raise ValueError(f"{flag}: compiled is not available: {found}")
+        return None
+
 
 def main() -> int:
     """Build every kernel ahead of the workers (the Makefile does); 0 even where one cannot

@@ -123,12 +123,7 @@ def _agrees(linear: torch.nn.Linear, packed: torch.nn.Module, generator: torch.G
 def compiled_module(kernel: str):
     """The compiled kernel's module for `kernel` (auto | compiled), or None where it cannot
     be built (auto; compiled raises, naming why)."""
-    found = EXTENSION.get()
-    if not isinstance(found, str):
-        return found
-    if kernel == "compiled":
-        raise ValueError(f"linear_kernel: compiled is not available: {found}")
-    return None  # the reason is logged once, by EXTENSION.get
+    return EXTENSION.module("linear_kernel", required=kernel == "compiled")
 
 
 @torch.no_grad()

@@ -196,10 +196,7 @@ def _kernel(runtime, kernel: str):
     if runtime.device.type != "cpu" or runtime.dtype != torch.float32:
         _no_kernel(kernel, f"{runtime.dtype} on {runtime.device.type}")
         return None
-    try:
-        return attention_kernel.load(kernel)
-    except RuntimeError as error:
-        raise ValueError(str(error)) from error
+    return attention_kernel.load(kernel)
 
 
 def _no_kernel(kernel: str, why: str) -> None:

@@ -38,18 +38,18 @@ def name_this_thread(name: str) -> None:
     libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
+def named_thread(name: str) -> ThreadPoolExecutor:
+    """An executor of one thread that names itself `name` when it starts."""
+    return ThreadPoolExecutor(1, name, name_this_thread, (name,))
+
+
 def model_thread() -> ThreadPoolExecutor:
     """The one thread that runs a worker's forward passes, named `specdec-model`."""
-    return ThreadPoolExecutor(
-        max_workers=1,
-        thread_name_prefix=MODEL_THREAD,
-        initializer=name_this_thread,
-        initargs=(MODEL_THREAD,),
-    )
+    return named_thread(MODEL_THREAD)
 
 
 def on_a_passing_thread(fn: Callable[..., T], *args) -> T:
     """`fn(*args)` on a thread named `specdec-load` that has exited (with any OpenMP pool it
     started) when this returns; its exception is raised here."""
-    with ThreadPoolExecutor(1, LOAD_THREAD, name_this_thread, (LOAD_THREAD,)) as pool:
+    with named_thread(LOAD_THREAD) as pool:
         return pool.submit(fn, *args).result()
