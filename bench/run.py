@@ -19,9 +19,10 @@ Contenders, on each pair and its held-out prompts, for greedy and for sampling
      on a second stack whose target worker has all of them (as a user without a draft
      deploys it).
 Same CPUs for everyone: the HF peers run in a subprocess with `--threads` (2) torch threads,
-one model after the other; the stack's split is `--split T+D:P` — target worker T threads,
-draft worker D, coordinator `--pipeline P` — by default all `--threads` for the target, 1 for
-the draft and pipelining off: at one request the draft's steps and the target's pass take
+one model after the other; the stack's split is `--split T+D:P[:B]` — target worker T threads
+(`--cpu-bind B`, default auto), draft worker D, coordinator `--pipeline P` — by default all
+`--threads` for the target (pinned where those are all the machine's CPUs), 1 for the draft
+and pipelining off: at one request the draft's steps and the target's pass take
 turns, as HF's do, and on shared cores this split beat one core each at every concurrency
 (`specdec bench split`, docs/benchmarks.md "One OpenMP pool a worker"). The HF peers serve at batch size 1, so
 concurrent requests queue behind each other (reported as sequential service).
@@ -69,8 +70,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per contender")
     parser.add_argument(
         "--split",
-        help="the stack's T+D:P: target threads + draft threads : --pipeline "
-        "(default: --threads + 1 : off)",
+        help="the stack's T+D:P[:B]: target threads + draft threads : --pipeline "
+        "[: the target's --cpu-bind, auto or off] (default: --threads + 1 : off : auto)",
     )
     # the workers' own --device, --dtype and --linear-kernel (same env, choices, checks):
     # bench.run gives them to the workers, the HF peers and the per-token costs alike
@@ -109,7 +110,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         split = parse_split(args.split or f"{args.threads}+1:off")
     except ValueError as exc:
         parser.error(str(exc).replace("--splits", "--split"))
-    args.target_threads, args.draft_threads, args.pipeline = split
+    args.target_threads, args.draft_threads, args.pipeline, args.cpu_bind = split
     return args
 
 

@@ -124,7 +124,7 @@ class BenchStack:
                 draft_threads=args.draft_threads,
                 target_threads=self.target_threads,
                 coordinator_args=["--pipeline", args.pipeline],
-                target_args=["--linear-kernel", args.linear_kernel],
+                target_args=["--linear-kernel", args.linear_kernel, "--cpu-bind", args.cpu_bind],
                 draft_args=["--linear-kernel", args.linear_kernel],
             )
         )

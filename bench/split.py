@@ -6,8 +6,8 @@
                           [--draft-model models/draft] [--out results/split]
                           (also: specdec bench split)
 
-A split `T+D:P` is a stack whose target worker has T torch threads, its draft worker D, and
-its coordinator `--pipeline P`. Per repeat, one stack of each split, in alternating order,
+A split `T+D:P[:B]` is a stack whose target worker has T torch threads and `--cpu-bind B`
+(auto, the default, or off), its draft worker D threads, and its coordinator `--pipeline P`. Per repeat, one stack of each split, in alternating order,
 each with its own embedded Redis and the same model files; per stack and concurrency, after a
 warm-up, each (mode, γ) runs once (`bench.pipeline.loads_on_stack`: closed-loop clients,
 held-out prompts, EOS ignored). Each entry is the aggregate tokens/s, median over the
@@ -27,15 +27,17 @@ from bench.report import save
 from specdec.launcher.stack import StackSettings
 
 
-def parse_split(text: str) -> tuple[int, int, str]:
-    """`T+D:P` → (target threads, draft threads, pipeline)."""
-    threads, _, pipeline = text.partition(":")
+def parse_split(text: str) -> tuple[int, int, str, str]:
+    """`T+D:P[:B]` → (target threads, draft threads, pipeline, the target's --cpu-bind)."""
+    threads, pipeline, *bind = text.split(":") + ([] if ":" in text else [""])
     target, _, draft = threads.partition("+")
-    if not (target.isdigit() and draft.isdigit() and pipeline in ("auto", "on", "off")):
-        raise ValueError(f"--splits: {text!r} is not T+D:P (e.g. 2+1:off)")
+    if not (
+        target.isdigit() and draft.isdigit() and pipeline in ("auto", "on", "off")
+    ) or bind not in ([], ["auto"], ["off"]):
+        raise ValueError(f"--splits: {text!r} is not T+D:P[:B] (e.g. 2+1:off, 2+1:off:off)")
     if int(target) < 1 or int(draft) < 1:
         raise ValueError(f"--splits: {text!r}: each worker needs at least one thread")
-    return int(target), int(draft), pipeline
+    return int(target), int(draft), pipeline, bind[0] if bind else "auto"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):
         order = list(splits) if repeat % 2 == 0 else list(splits)[::-1]
         for name in order:
-            target, draft, pipeline = splits[name]
+            target, draft, pipeline, bind = splits[name]
             settings = StackSettings(
                 os.path.abspath(args.target_model),
                 os.path.abspath(args.draft_model),
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 target_threads=target,
                 draft_threads=draft,
                 coordinator_args=["--pipeline", pipeline],
+                target_args=["--cpu-bind", bind],
             )
             results = loads_on_stack(
                 settings,
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# Thread splits: {args.prompts} held-out prompts × {args.tokens} tokens, "
         f"{os.cpu_count()} CPUs, alternating, median of {args.repeats} (aggregate tok/s; "
-        "T+D:P = target threads + draft threads : --pipeline)",
+        "T+D:P[:B] = target threads + draft threads : --pipeline [: the target's --cpu-bind])",
         "",
         "| mode/γ/concurrency | " + " | ".join(names) + " | best | runs |",
         "|---|" + "---:|" * len(names) + "---|---|",

@@ -3,8 +3,8 @@
     python tests/thread_probe.py TRIGGER_DIR MODULE [ARGS...]
 
 Each time a file `N.go` appears in TRIGGER_DIR (N = 1, 2, ...), the probe writes `N.json`:
-every OS thread of the process (`/proc/self/task`) with its name and CPU ticks, and whether
-Python knows it as one of its threads. The file `N.go` may hold a command run first, on the
+every OS thread of the process (`/proc/self/task`) with its name, CPU ticks and the CPUs it may
+run on, and whether Python knows it as one of its threads. The file `N.go` may hold a command run first, on the
 probe's own thread: `parallel` runs one torch op big enough for a parallel region (a negative
 control: a thread that is not the model's starts an OpenMP pool).
 """
@@ -28,6 +28,7 @@ def threads() -> list[dict]:
                 name = f.read().strip()
             with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
+            cpus = sorted(os.sched_getaffinity(int(tid)))
         except FileNotFoundError:  # exited meanwhile
             continue
         out.append(
@@ -37,6 +38,7 @@ def threads() -> list[dict]:
                 "ticks": int(fields[11]) + int(fields[12]),
                 "python": python_names.get(int(tid)),  # its Python name, or None
                 "main": int(tid) == os.getpid(),
+                "cpus": cpus,  # the CPUs it may run on
             }
         )
     return out

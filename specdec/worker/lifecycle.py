@@ -17,7 +17,13 @@ from specdec.serving.security import SecurityConfigError
 from specdec.serving.server import Server, install_signal_handlers, setup_logging
 from specdec.serving.settings import add_flags, from_args
 from specdec.serving.trace_export import TracingConfigError, trace_exporters
-from specdec.worker.threads import on_a_passing_thread
+from specdec.worker.threads import (
+    allowed_cpus,
+    bind_plan,
+    format_cpus,
+    on_a_passing_thread,
+    pin_pool,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ async def serve_worker(settings, role: str, service, service_name: str, warmup) 
     service.batcher.start()
     started = time.perf_counter()
     await warmup()
+    await bind_model_threads(settings, service)
     log.info("%s worker warm in %.2fs, serving on %s", role, time.perf_counter() - started, address)
     await server.set_serving(True)
     registration = None
@@ -76,6 +83,26 @@ async def serve_worker(settings, role: str, service, service_name: str, warmup) 
         await registration.stop()
     await server.drain_and_stop(settings.grace_s)
     await service.batcher.stop()
+
+
+async def bind_model_threads(settings, service) -> None:
+    """`--cpu-bind`: the model thread and its OpenMP pool, one CPU each (where it applies)."""
+    cpus = bind_plan(settings.cpu_bind, settings.threads, str(service.model.device), allowed_cpus())
+    if not cpus:
+        return
+    pinned = await asyncio.wrap_future(service.batcher.occupy(pin_pool, cpus))
+    log.info(
+        "model threads pinned (--cpu-bind %s): %d threads on CPUs %s",
+        settings.cpu_bind,
+        len(pinned),
+        format_cpus(sorted(set(pinned.values()))),
+    )
+    if len(pinned) != settings.threads:
+        log.warning(
+            "--cpu-bind: the model thread has %d pool threads for --threads %d",
+            len(pinned) - 1,
+            settings.threads,
+        )
 
 
 def _info_dict(info) -> dict:
@@ -109,6 +136,10 @@ def worker_main(
         parser.error(str(exc))
     if settings.tls_ca and not settings.tls_cert:
         parser.error("--tls-ca (mTLS) needs the worker's own --tls-cert and --tls-key")
+    try:  # a CPU list is checked before the model loads (auto waits for the model's device)
+        bind_plan(settings.cpu_bind, settings.threads, "cpu", allowed_cpus())
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging(settings.log_level)
     if settings.tls_cert and not settings.tls_ca:
         log.warning("TLS without --tls-ca: any caller that reaches this port may use the worker")

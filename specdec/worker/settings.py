@@ -16,6 +16,13 @@ class WorkerSettings(SecurityFlags):
     host: str = opt("127.0.0.1", "address to bind (0.0.0.0 in a container)")
     port: int = opt(0, "gRPC port (0 = pick a free one)")
     threads: int = opt(1, "torch intra-op threads")
+    cpu_bind: str = opt(
+        "auto",
+        "pin the model's threads, one CPU each: auto (on a CPU device at --threads >= 2, where "
+        "the process may run on exactly --threads CPUs: a pod under the static CPU manager, a "
+        "cpuset, taskset) | off | a CPU list like 0-3 or 0,2,4,6 (exactly --threads CPUs)",
+        pattern=r"auto|off|[0-9][0-9,\-]*",
+    )
     device: str = opt("auto", "auto | cpu | cuda[:N]", pattern=r"auto|cpu|cuda(:\d+)?")
     dtype: str = opt(
         "auto", "auto | float32 | float16 | bfloat16", ["auto", "float32", "float16", "bfloat16"]

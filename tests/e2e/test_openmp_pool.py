@@ -34,7 +34,15 @@ PROMPT = [5, 6, 7, 8, 9, 10]
 
 
 class ProbedWorker:
-    def __init__(self, role: str, model_dir: str, directory: str, threads: int):
+    def __init__(
+        self,
+        role: str,
+        model_dir: str,
+        directory: str,
+        threads: int,
+        extra: tuple[str, ...] = (),
+        cpus: set[int] | None = None,
+    ):
         self.directory = directory
         self.address = ""  # the worker binds a free port itself (--port 0) and says which
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
@@ -57,9 +65,12 @@ class ProbedWorker:
                 str(threads),
                 "--log-level",
                 "warning",
+                *extra,
             ],
             cwd=ROOT,
             env=env,
+            # the CPUs the worker may run on, as a cpuset or taskset would give them
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -148,5 +159,36 @@ def test_one_openmp_pool_at_two_threads(role, model_dirs, tmp_path):
 
         # negative control: a parallel region on another thread of Python's starts a pool
         assert len(stray_pool_threads(worker.threads("parallel"))) == 1
+    finally:
+        worker.kill()
+
+
+def model_threads_cpus(threads: list[dict]) -> tuple[list[int], list[list[int]]]:
+    """(the model thread's CPUs, each of its OpenMP pool threads' CPUs)."""
+    model = [t for t in threads if (t["python"] or "").startswith(MODEL_THREAD)]
+    pool = [t for t in threads if t["name"] == MODEL_THREAD and t["python"] is None]
+    assert len(model) == 1, threads
+    return model[0]["cpus"], [t["cpus"] for t in pool]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.parametrize("bind", ["auto", "reversed", "off"])
+def test_cpu_bind_pins_the_model_threads(bind, model_dirs, tmp_path):
+    """--cpu-bind: the model thread on the first CPU named, its pool's thread on the second;
+    `auto` where the worker may run on exactly --threads CPUs (here: two, as a cpuset would
+    give them); `off` (the negative control) leaves both free to run on either."""
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    flag = {"auto": "auto", "reversed": f"{b},{a}", "off": "off"}[bind]
+    worker = ProbedWorker(
+        "target", model_dirs["target"], str(tmp_path), 2, ("--cpu-bind", flag), cpus={a, b}
+    )
+    try:
+        worker.wait_ready()
+        serve_rounds("target", worker.address)  # pinned threads serve as before
+        model, pool = model_threads_cpus(worker.threads())
+        expected = {"auto": ([a], [[b]]), "reversed": ([b], [[a]]), "off": ([a, b], [[a, b]])}
+        assert (model, pool) == expected[bind]
+        main = next(t for t in worker.threads() if t["main"])
+        assert main["cpus"] == [a, b]  # only the model's threads are pinned
     finally:
         worker.kill()

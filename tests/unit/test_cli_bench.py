@@ -45,9 +45,10 @@ def test_the_spy_sees_the_full_benchmark_for_plain_bench(monkeypatch):
 def test_bench_split_reads_its_splits_and_names_a_bad_one():
     from bench.split import main, parse_split
 
-    assert parse_split("2+1:off") == (2, 1, "off")
-    assert parse_split("1+1:auto") == (1, 1, "auto")
-    for bad in ("2+1", "2:off", "0+1:off", "2+1:maybe", "a+1:on"):
+    assert parse_split("2+1:off") == (2, 1, "off", "auto")
+    assert parse_split("1+1:auto") == (1, 1, "auto", "auto")
+    assert parse_split("2+1:off:off") == (2, 1, "off", "off")  # the target's --cpu-bind
+    for bad in ("2+1", "2:off", "0+1:off", "2+1:maybe", "a+1:on", "2+1:off:0-1", "2+1:off:"):
         with pytest.raises(ValueError, match="--splits"):
             parse_split(bad)
     with pytest.raises(SystemExit) as done:  # refused before any stack starts
