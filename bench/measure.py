@@ -18,16 +18,14 @@ from bench.serving import BenchStack
 
 
 def subprocess_job(job: dict, timeout_s: float) -> dict:
-    """Run a bench.inproc job in a fresh interpreter with its own thread count."""
+    """Run a bench.inproc job in a fresh interpreter with its own thread count — its OpenMP
+    threads pinned one CPU each where the stack's target worker is (`pinned`, as
+    `--cpu-bind` decides it at that many threads): same placement for every contender."""
     with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
         job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
         with open(job_path, "w") as f:
             json.dump(job, f)
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(job["threads"]),
-            "TOKENIZERS_PARALLELISM": "false",
-        }
+        env = job_env(job)
         subprocess.run(
             [sys.executable, "-m", "bench.inproc", job_path, result_path],
             check=True,
@@ -37,6 +35,33 @@ def subprocess_job(job: dict, timeout_s: float) -> dict:
         )
         with open(result_path) as f:
             return json.load(f)
+
+
+def job_env(job: dict) -> dict[str, str]:
+    """The environment of a job's interpreter: its thread count, and where `pinned`, libgomp
+    binding its initial thread and each pool thread to a CPU of their own."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(job["threads"]),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cpus = pinned(job.get("cpu_bind", "off"), job["threads"])
+    if cpus:
+        env.update(OMP_PROC_BIND="true", OMP_PLACES=",".join(f"{{{c}}}" for c in cpus))
+    return env
+
+
+def pinned(cpu_bind: str, threads: int) -> list[int]:
+    """The CPUs a worker at `threads` threads and `--cpu-bind cpu_bind` pins its model's
+    threads to, on this machine and device ([]: none)."""
+    import torch
+
+    from specdec.worker.threads import allowed_cpus, bind_plan
+
+    device = os.environ.get("SPECDEC_DEVICE", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return bind_plan(cpu_bind, threads, device, allowed_cpus())
 
 
 def in_process(args, context: list[int], job: str, **extra) -> dict:
@@ -55,6 +80,7 @@ def in_process(args, context: list[int], job: str, **extra) -> dict:
             "context": context,
             "max_gamma": 8,
             "linear_kernel": args.linear_kernel,
+            "cpu_bind": args.cpu_bind,
             **extra,
         },
         timeout_s=args.timeout_s,

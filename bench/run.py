@@ -24,7 +24,10 @@ one model after the other; the stack's split is `--split T+D:P[:B]` — target w
 `--threads` for the target (pinned where those are all the machine's CPUs), 1 for the draft
 and pipelining off: at one request the draft's steps and the target's pass take
 turns, as HF's do, and on shared cores this split beat one core each at every concurrency
-(`specdec bench split`, docs/benchmarks.md "One OpenMP pool a worker"). The HF peers serve at batch size 1, so
+(`specdec bench split`, docs/benchmarks.md "One OpenMP pool a worker"). Where the target
+worker pins its threads (`--cpu-bind`, by default where it has all the machine's CPUs), the
+HF peers and the in-process costs run pinned alike (libgomp's OMP_PROC_BIND, one CPU a
+thread). The HF peers serve at batch size 1, so
 concurrent requests queue behind each other (reported as sequential service).
 Same device and dtype for everyone: `--device`/`--dtype` (default: the workers' SPECDEC_DEVICE
 and SPECDEC_DTYPE, else auto: CUDA in bfloat16 where there is one, else the CPU in float32)
@@ -49,11 +52,12 @@ from pathlib import Path
 from bench import metrics
 from bench.contenders import MODES, PAIRS, SPECDEC, chat_prompts
 from bench.interference import CpuWatch
-from bench.measure import in_process, run_stack, subprocess_job
+from bench.measure import in_process, pinned, run_stack, subprocess_job
 from bench.prompts import heldout_prompts
 from bench.rows import greedy_check, make_row, other_cpu, progress_line, strip
 from specdec.serving.settings import add_flags
 from specdec.worker.settings import WorkerSettings
+from specdec.worker.threads import format_cpus
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -193,7 +197,11 @@ def bench_pair(args, argv) -> None:
                 f"{b['draft_step_ms']:.2f} ms (other processes {other_cpu(costs['batch'])})"
             )
 
-    log(f"HF peers in a subprocess ({args.threads} threads), one request at a time")
+    cpus = pinned(args.cpu_bind, args.threads)
+    log(
+        f"HF peers in a subprocess ({args.threads} threads, "
+        f"{'pinned to CPUs ' + format_cpus(cpus) if cpus else 'not pinned'}), one request at a time"
+    )
     watch = CpuWatch()
     hf = subprocess_job(
         {
@@ -206,6 +214,7 @@ def bench_pair(args, argv) -> None:
             "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
             "modes": list(MODES),
             "linear_kernel": args.hf_linear_kernel,
+            "cpu_bind": args.cpu_bind,
             "max_other_cpu": args.max_other_cpu,
             "retries": args.retries,
         },

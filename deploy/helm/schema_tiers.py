@@ -118,6 +118,7 @@ def worker_config(role: str) -> dict[str, Schema]:
     """Flags shared by the draft and target workers; `role` adds the role's own."""
     config: dict[str, Schema] = {
         "threads": integer(1, nullable=True),
+        "cpuBind": {"type": ["string", "null"], "pattern": "^(auto|off|[0-9][0-9,-]*)$"},
         "device": {"type": ["string", "null"], "pattern": "^(auto|cpu|cuda(:[0-9]+)?)$"},
         "dtype": string(["auto", "float32", "float16", "bfloat16"], nullable=True),
         "linearKernel": string(["auto", "compiled", "packed", "default"], nullable=True),

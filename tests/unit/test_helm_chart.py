@@ -201,6 +201,7 @@ def test_env_carries_configured_flags(chart):
                 "linearKernel": "default",
                 "batchAttention": "padded",
                 "device": "cuda:1",
+                "cpuBind": "0-3",
             }
         },
     }
@@ -223,6 +224,8 @@ def test_env_carries_configured_flags(chart):
     assert target["SPECDEC_MAX_KV_MB"] == "1048576"  # not "1.048576e+06"
     assert target["SPECDEC_DTYPE"] == "bfloat16"
     assert target["SPECDEC_LINEAR_KERNEL"] == "default"
+    assert target["SPECDEC_CPU_BIND"] == "0-3"
+    assert draft["SPECDEC_CPU_BIND"] == "auto"
     assert target["SPECDEC_BATCH_ATTENTION"] == "padded"
     assert draft["SPECDEC_BATCH_ATTENTION"] == "auto"
     assert draft["SPECDEC_LINEAR_KERNEL"] == "auto"  # the chart's default, the program's too
