@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from specdec.core.acceptance import alpha_hat
 
@@ -30,6 +30,13 @@ class Stats:
         stats = cls(**{k: v for k, v in raw.items() if k in names})
         stats.accepted_per_position = list(stats.accepted_per_position or [])
         return stats
+
+    def raw(self) -> dict:
+        """The counters as they are now (`dataclasses.asdict` without its deep copy of each
+        number: only the list needs one, the round after changes it in place)."""
+        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        raw["accepted_per_position"] = list(self.accepted_per_position)
+        return raw
 
     def count_round(self, gamma: int, accepted: int) -> None:
         self.rounds += 1
@@ -66,5 +73,5 @@ class Stats:
             "target_failovers": self.target_failovers,
             "takeovers": self.takeovers,
             "drafted_ahead": self.drafted_ahead,
-            "_raw": asdict(self),
+            "_raw": self.raw(),
         }

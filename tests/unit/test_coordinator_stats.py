@@ -1,0 +1,23 @@
+"""coordinator.stats: a session's counters survive a takeover through what each commit stores."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from coordinator.stats import Stats
+
+
+def test_stored_counters_restore_the_same_stats_and_do_not_move_with_later_rounds():
+    stats = Stats()
+    stats.count_round(4, 2)
+    stats.count_round(3, 3)
+    stats.first_token_s = 0.25
+    stored = json.loads(json.dumps(stats.as_dict(10, 7, 1.0)))  # as a commit writes it
+    before = dataclasses.asdict(stats)
+    raw = stats.as_dict(10, 7, 1.0)["_raw"]
+    stats.count_round(4, 4)  # the next round, while that commit may still be in flight
+    assert raw == before  # a snapshot: the list was copied, not shared
+    restored = Stats.restore(stored)
+    assert dataclasses.asdict(restored) == before
+    assert restored.accepted_per_position == [2, 2, 1, 0]
