@@ -11,7 +11,7 @@ import tempfile
 import time
 
 from bench import metrics
-from bench.contenders import MODES, OFF_ALL_THREADS, SPECDEC
+from bench.contenders import LABELS, MODES, OFF_ALL_THREADS, SPECDEC
 from bench.interference import CpuWatch
 from bench.rows import key, make_row, progress_line
 from bench.serving import BenchStack
@@ -89,26 +89,73 @@ def in_process(args, context: list[int], job: str, **extra) -> dict:
     return result
 
 
-def measure_row(args, bench_stack, name, mode, gamma, concurrency, rows, raw, total, log):
-    """One contender's row through `bench_stack`, repeated while other processes disturbed it."""
-    started, best = time.monotonic(), None
+def measure_run(args, bench_stack, mode, gamma, concurrency) -> tuple[dict, float, int]:
+    """One load through `bench_stack`, repeated while other processes disturbed it: (the
+    least disturbed run, other processes' CPU share meanwhile, times it was repeated)."""
+    best = None
     for attempt in range(1 + args.retries):  # repeat disturbed measurements
-        watch, repeats = CpuWatch(), attempt
+        watch = CpuWatch()
         run = bench_stack.measure(mode, gamma, concurrency)
         share = watch.others() or 0.0
         if best is None or share < best[1]:
-            best = (run, share)
+            best = (run, share, attempt)
         if share <= args.max_other_cpu:
             break
-        log(f"  disturbed (other processes {100 * share:.0f}% CPU); again")
-    run, share = best
+    return best
+
+
+def median_run(runs: list, rate) -> tuple[object, list[float]]:
+    """The run of median `rate(run)` (the lower middle one of an even count) and every run's
+    rate, in the order measured."""
+    rates = [rate(run) for run in runs]
+    order = sorted(range(len(runs)), key=rates.__getitem__)
+    return runs[order[(len(runs) - 1) // 2]], rates
+
+
+def stack_row(
+    name, mode, concurrency, measured: list[tuple[dict, float, int]]
+) -> tuple[dict, dict]:
+    """A contender's row (and its raw entry) from its repeats: the median one by aggregate
+    tokens/s, with every repeat's rate under `runs`."""
+
+    def rate(m):
+        run = m[0]
+        return sum(len(r["token_ids"]) for r in run["requests"]) / run["wall_s"]
+
+    (run, share, repeats), rates = median_run(measured, rate)
     row = make_row(name, mode["name"], concurrency, run["requests"], run["wall_s"])
-    row["other_cpu"], row["repeats"] = share, repeats
+    row["other_cpu"], row["repeats"], row["runs"] = share, repeats, rates
     row["acceptance"] = metrics.acceptance(run["requests"])
     row.update({k: row["acceptance"][k] for k in ("acceptance_rate", "mean_acceptance_length")})
-    rows.append(row)
-    raw.append({**key(row), "wall_s": run["wall_s"], "requests": run["requests"]})
-    log(progress_line(len(rows), total, row, time.monotonic() - started))
+    return row, {**key(row), "wall_s": run["wall_s"], "requests": run["requests"]}
+
+
+def measure_rows(args, bench_stack, contenders, rows, raw, total, log) -> None:
+    """Every (mode, concurrency, contender) through `bench_stack`, `--repeats` times (the
+    contenders in reverse order every other time), each row the median repeat's."""
+    started = time.monotonic()
+    cells = [(mode, c) for mode in MODES for c in args.concurrency]
+    measured: dict[tuple, list] = {}
+    for repeat in range(args.repeats):
+        order = contenders if repeat % 2 == 0 else contenders[::-1]
+        for mode, concurrency in cells:
+            for name, gamma in order:
+                m = measure_run(args, bench_stack, mode, gamma, concurrency)
+                measured.setdefault((name, mode["name"], concurrency), []).append(m)
+                if args.repeats > 1:
+                    tokens = sum(len(r["token_ids"]) for r in m[0]["requests"])
+                    log(
+                        f"  repeat {repeat + 1}/{args.repeats}: {LABELS[name]} {mode['name']} "
+                        f"conc {concurrency}: {tokens / m[0]['wall_s']:.1f} tok/s"
+                    )
+    for mode, concurrency in cells:
+        for name, _gamma in contenders:
+            row, entry = stack_row(
+                name, mode, concurrency, measured[name, mode["name"], concurrency]
+            )
+            rows.append(row)
+            raw.append(entry)
+            log(progress_line(len(rows), total, row, time.monotonic() - started))
 
 
 def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
@@ -121,12 +168,7 @@ def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
     bench_stack = BenchStack(args, prompts, log, warmups)
     try:
         bench_stack.start()
-        for mode in MODES:
-            for concurrency in args.concurrency:
-                for name, gamma in SPECDEC:
-                    measure_row(
-                        args, bench_stack, name, mode, gamma, concurrency, rows, raw, total, log
-                    )
+        measure_rows(args, bench_stack, SPECDEC, rows, raw, total, log)
         log("round breakdown: the stack's workers driven directly (greedy, one session)")
         stack = bench_stack.stack
         rounds = breakdown(
@@ -151,11 +193,7 @@ def run_stack(args, prompts, costs, rows, raw, total, log) -> list[dict]:
     solo = BenchStack(args, prompts, log, [(mode, 0) for mode in MODES], args.threads)
     try:
         solo.start()
-        for mode in MODES:
-            for concurrency in args.concurrency:
-                measure_row(
-                    args, solo, OFF_ALL_THREADS, mode, 0, concurrency, rows, raw, total, log
-                )
+        measure_rows(args, solo, [(OFF_ALL_THREADS, 0)], rows, raw, total, log)
     finally:
         solo.stop()
     return rounds

@@ -52,7 +52,7 @@ from pathlib import Path
 from bench import metrics
 from bench.contenders import MODES, PAIRS, SPECDEC, chat_prompts
 from bench.interference import CpuWatch
-from bench.measure import in_process, pinned, run_stack, subprocess_job
+from bench.measure import in_process, median_run, pinned, run_stack, subprocess_job
 from bench.prompts import heldout_prompts
 from bench.rows import greedy_check, make_row, other_cpu, progress_line, strip
 from specdec.serving.settings import add_flags
@@ -89,6 +89,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--retries", type=int, default=2, help="repeats of a disturbed measurement")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure every contender this many times, alternating the order; each row is the "
+        "median run (every run's tok/s listed in the report)",
+    )
+    parser.add_argument(
         "--hf-linear-kernel",
         choices=["default", "packed"],
         default="default",
@@ -108,6 +115,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ]
     if args.threads < 1:
         parser.error("--threads must be >= 1")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     from bench.split import parse_split
 
     try:
@@ -138,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         run.out = str(Path(args.out) / pair)
         bench_pair(run, argv)
     return 0
+
+
+def service_rate(measured: dict) -> float:
+    """An HF peer's tokens/s over its requests, one at a time."""
+    requests = measured["requests"]
+    return sum(r["generated_tokens"] for r in requests) / sum(r["latency_s"] for r in requests)
 
 
 def bench_pair(args, argv) -> None:
@@ -203,34 +218,36 @@ def bench_pair(args, argv) -> None:
         f"{'pinned to CPUs ' + format_cpus(cpus) if cpus else 'not pinned'}), one request at a time"
     )
     watch = CpuWatch()
-    hf = subprocess_job(
-        {
-            "job": "hf",
-            "threads": args.threads,
-            "target_model": args.target_model,
-            "draft_model": args.draft_model,
-            "prompts": prompts,
-            "max_new_tokens": args.max_new_tokens,
-            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-            "modes": list(MODES),
-            "linear_kernel": args.hf_linear_kernel,
-            "cpu_bind": args.cpu_bind,
-            "max_other_cpu": args.max_other_cpu,
-            "retries": args.retries,
-        },
-        timeout_s=args.timeout_s * 4,
-    )
+    job = {
+        "job": "hf",
+        "threads": args.threads,
+        "target_model": args.target_model,
+        "draft_model": args.draft_model,
+        "prompts": prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        "modes": list(MODES),
+        "linear_kernel": args.hf_linear_kernel,
+        "cpu_bind": args.cpu_bind,
+        "max_other_cpu": args.max_other_cpu,
+        "retries": args.retries,
+    }
+    hf_runs = [subprocess_job(job, timeout_s=args.timeout_s * 4) for _ in range(args.repeats)]
+    hf = hf_runs[0]
     hf_other_cpu = watch.others()
     rows: list[dict] = []
     raw: list[dict] = []
     for mode in MODES:
         for concurrency in args.concurrency:
             for peer in ("hf_target", "hf_assisted"):
-                measured = hf["peers"][mode["name"]][peer]["requests"]
+                entry, rates = median_run(
+                    [run["peers"][mode["name"]][peer] for run in hf_runs], service_rate
+                )
+                measured = entry["requests"]
                 queued, wall = metrics.sequential_service(measured, concurrency)
                 row = make_row(peer, mode["name"], concurrency, queued, wall)
-                row["other_cpu"] = hf["peers"][mode["name"]][peer].get("other_cpu", hf_other_cpu)
-                row["repeats"] = hf["peers"][mode["name"]][peer].get("repeats", 0)
+                row["other_cpu"] = entry.get("other_cpu", hf_other_cpu)
+                row["repeats"], row["runs"] = entry.get("repeats", 0), rates
                 forwards = sum(r["target_forwards"] for r in measured)
                 tokens = sum(r["generated_tokens"] for r in measured)
                 row["acceptance_rate"] = None
@@ -240,7 +257,9 @@ def bench_pair(args, argv) -> None:
                 log(progress_line(len(rows), total, row, service_s) + "  [sequential service]")
     for mode in MODES:
         for peer in ("hf_target", "hf_assisted"):
-            measured = hf["peers"][mode["name"]][peer]
+            measured = median_run(
+                [run["peers"][mode["name"]][peer] for run in hf_runs], service_rate
+            )[0]
             raw.append({"contender": peer, "mode": mode["name"], "concurrency": 1, **measured})
 
     if args.peers_only:
@@ -301,6 +320,7 @@ def bench_pair(args, argv) -> None:
             "assistant_confidence_threshold": 0.4,
         },
         "disturbance": {"max_other_cpu": args.max_other_cpu, "retries": args.retries},
+        "repeats": args.repeats,
         "duration_s": time.monotonic() - started,
     }
     for entry in raw:

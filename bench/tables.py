@@ -76,8 +76,39 @@ def header(result: dict) -> list[str]:
         f"than {100 * result['meta'].get('disturbance', {}).get('max_other_cpu', 1.0):.0f}% was "
         f"repeated up to {result['meta'].get('disturbance', {}).get('retries', 0)} times and the "
         "least disturbed attempt kept; the number of repeats is in parentheses.",
+        *runs_line(meta),
         "",
     ]
+
+
+def runs_line(meta: dict) -> list[str]:
+    n = meta.get("repeats", 1)
+    if n <= 1:
+        return []
+    return [
+        f"- Runs: every contender measured {n} times (the stack's contenders in alternating "
+        "order, the HF peers in a fresh subprocess each time); each row is its median run by "
+        'aggregate tokens/s, every run\'s tokens/s under "Runs" below.'
+    ]
+
+
+def runs_table(result: dict) -> list[str]:
+    """Every run's aggregate tokens/s per row (`--repeats` > 1), in the order measured."""
+    rows = [r for r in result["rows"] if len(r.get("runs", [])) > 1]
+    if not rows:
+        return []
+    lines = [
+        "## Runs",
+        "",
+        "| mode | conc | contender | median | runs (tok/s) |",
+        "|---|---:|---|---:|---|",
+    ]
+    for r in rows:
+        listed = ", ".join(f"{x:.1f}" for x in r["runs"])
+        lines.append(
+            f"| {r['mode']} | {r['concurrency']} | {r['label']} | {fmt(r['tokens_per_s'])} | {listed} |"
+        )
+    return lines + [""]
 
 
 def results_table(result: dict) -> list[str]:
@@ -235,7 +266,7 @@ def definitions() -> list[str]:
 
 
 def render(result: dict) -> str:
-    lines = header(result) + results_table(result) + bounds_table(result)
+    lines = header(result) + results_table(result) + runs_table(result) + bounds_table(result)
     lines += batch_bounds_table(result) + breakdown_table(result)
     lines += goals_and_checks(result) + definitions()
     lines += [

@@ -320,3 +320,90 @@ def test_plots_draw_only_the_contenders_a_run_measured(tmp_path):
         "acceptance_per_position.png",
     ]
     assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_median_run_is_the_middle_rate_and_lists_every_run():
+    from bench.measure import median_run
+
+    runs = [{"r": 3.0}, {"r": 1.0}, {"r": 2.0}]
+    assert median_run(runs, lambda m: m["r"]) == ({"r": 2.0}, [3.0, 1.0, 2.0])
+    # an even count: the lower middle one (never an average of two runs no one measured)
+    assert median_run(runs + [{"r": 4.0}], lambda m: m["r"])[0] == {"r": 2.0}
+    assert median_run([{"r": 5.0}], lambda m: m["r"]) == ({"r": 5.0}, [5.0])
+
+
+class CannedStack:
+    """Answers `measure` with a run whose rate the test chose (a stand-in for `BenchStack`,
+    which needs a whole stack: this checks what `measure_rows` does with the runs)."""
+
+    def __init__(self, rates):
+        self.rates, self.calls = rates, []
+
+    def measure(self, mode, gamma, concurrency):
+        self.calls.append((mode["name"], gamma, concurrency))
+        rate = self.rates[(gamma, len(self.calls))]
+        tokens = [1] * 100
+        request = {"token_ids": tokens, "stats": {}, "ttft_s": 0.01, "token_times_s": [0.01] * 100}
+        return {"wall_s": 100 / rate, "requests": [request]}
+
+
+def test_repeats_alternate_the_order_and_keep_each_rows_median(monkeypatch):
+    from argparse import Namespace
+
+    from bench import measure
+
+    monkeypatch.setattr(measure, "MODES", ({"name": "greedy", "temperature": 0.0},))
+    monkeypatch.setattr(
+        measure,
+        "make_row",
+        lambda name, mode, c, requests, wall: {
+            "contender": name,
+            "mode": mode,
+            "concurrency": c,
+            "tokens_per_s": 100 / wall,
+            "label": name,
+            "tokens_per_s_per_request": 0.0,
+            "tpot_ms_p50": 0.0,
+            "ttft_ms_p50": 0.0,
+        },
+    )
+    monkeypatch.setattr(
+        measure.metrics,
+        "acceptance",
+        lambda requests: {"acceptance_rate": None, "mean_acceptance_length": None},
+    )
+    monkeypatch.setattr(measure, "LABELS", {"a": "a", "b": "b"})
+    monkeypatch.setattr(measure, "progress_line", lambda *a: "")
+    # call n (1-based) of contender γ: a (γ 0) runs 1st, 4th, 5th; b (γ 2) 2nd, 3rd, 6th
+    rates = {(0, 1): 10.0, (2, 2): 50.0, (2, 3): 40.0, (0, 4): 30.0, (0, 5): 20.0, (2, 6): 60.0}
+    stack = CannedStack(rates)
+    args = Namespace(repeats=3, concurrency=[1], retries=0, max_other_cpu=1.0)
+    rows, raw = [], []
+    measure.measure_rows(args, stack, (("a", 0), ("b", 2)), rows, raw, 2, lambda msg: None)
+    assert [g for _, g, _ in stack.calls] == [0, 2, 2, 0, 0, 2]  # forward, reverse, forward
+    assert [(r["contender"], r["runs"]) for r in rows] == [
+        ("a", [10.0, 30.0, 20.0]),
+        ("b", [50.0, 40.0, 60.0]),
+    ]
+    assert [round(r["tokens_per_s"], 6) for r in rows] == [20.0, 50.0]  # the medians
+    assert len(raw) == 2
+
+
+def test_bench_run_repeats_flag_and_runs_table():
+    from bench import run
+    from bench.tables import runs_line, runs_table
+
+    assert run.parse([]).repeats == 1
+    assert run.parse(["--repeats", "3"]).repeats == 3
+    with pytest.raises(SystemExit):
+        run.parse(["--repeats", "0"])
+    assert runs_line({"repeats": 1}) == [] and "3 times" in runs_line({"repeats": 3})[0]
+    row = {
+        "mode": "greedy",
+        "concurrency": 1,
+        "label": "x",
+        "tokens_per_s": 2.0,
+        "runs": [3.0, 1.0, 2.0],
+    }
+    assert "| greedy | 1 | x | 2.0 | 3.0, 1.0, 2.0 |" in runs_table({"rows": [row]})
+    assert runs_table({"rows": [{**row, "runs": [2.0]}]}) == []
