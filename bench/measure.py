@@ -89,7 +89,12 @@ def in_process(args, context: list[int], job: str, **extra) -> dict:
     return result
 
 
-def measure_run(args, bench_stack, mode, gamma, concurrency) -> tuple[dict, float, int]:
+def run_rate(run: dict) -> float:
+    """A load's aggregate tokens/s."""
+    return sum(len(r["token_ids"]) for r in run["requests"]) / run["wall_s"]
+
+
+def measure_run(args, bench_stack, mode, gamma, concurrency, log) -> tuple[dict, float, int]:
     """One load through `bench_stack`, repeated while other processes disturbed it: (the
     least disturbed run, other processes' CPU share meanwhile, times it was repeated)."""
     best = None
@@ -101,6 +106,7 @@ def measure_run(args, bench_stack, mode, gamma, concurrency) -> tuple[dict, floa
             best = (run, share, attempt)
         if share <= args.max_other_cpu:
             break
+        log(f"  disturbed (other processes {100 * share:.0f}% CPU); again")
     return best
 
 
@@ -117,12 +123,7 @@ def stack_row(
 ) -> tuple[dict, dict]:
     """A contender's row (and its raw entry) from its repeats: the median one by aggregate
     tokens/s, with every repeat's rate under `runs`."""
-
-    def rate(m):
-        run = m[0]
-        return sum(len(r["token_ids"]) for r in run["requests"]) / run["wall_s"]
-
-    (run, share, repeats), rates = median_run(measured, rate)
+    (run, share, repeats), rates = median_run(measured, lambda m: run_rate(m[0]))
     row = make_row(name, mode["name"], concurrency, run["requests"], run["wall_s"])
     row["other_cpu"], row["repeats"], row["runs"] = share, repeats, rates
     row["acceptance"] = metrics.acceptance(run["requests"])
@@ -140,13 +141,12 @@ def measure_rows(args, bench_stack, contenders, rows, raw, total, log) -> None:
         order = contenders if repeat % 2 == 0 else contenders[::-1]
         for mode, concurrency in cells:
             for name, gamma in order:
-                m = measure_run(args, bench_stack, mode, gamma, concurrency)
+                m = measure_run(args, bench_stack, mode, gamma, concurrency, log)
                 measured.setdefault((name, mode["name"], concurrency), []).append(m)
                 if args.repeats > 1:
-                    tokens = sum(len(r["token_ids"]) for r in m[0]["requests"])
                     log(
                         f"  repeat {repeat + 1}/{args.repeats}: {LABELS[name]} {mode['name']} "
-                        f"conc {concurrency}: {tokens / m[0]['wall_s']:.1f} tok/s"
+                        f"conc {concurrency}: {run_rate(m[0]):.1f} tok/s"
                     )
     for mode, concurrency in cells:
         for name, _gamma in contenders:

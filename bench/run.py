@@ -234,15 +234,21 @@ def bench_pair(args, argv) -> None:
     }
     hf_runs = [subprocess_job(job, timeout_s=args.timeout_s * 4) for _ in range(args.repeats)]
     hf = hf_runs[0]
+    # each peer's median run of the repeats, once: its rows at every concurrency and raw entry
+    peers = {
+        (mode["name"], peer): median_run(
+            [run["peers"][mode["name"]][peer] for run in hf_runs], service_rate
+        )
+        for mode in MODES
+        for peer in ("hf_target", "hf_assisted")
+    }
     hf_other_cpu = watch.others()
     rows: list[dict] = []
     raw: list[dict] = []
     for mode in MODES:
         for concurrency in args.concurrency:
             for peer in ("hf_target", "hf_assisted"):
-                entry, rates = median_run(
-                    [run["peers"][mode["name"]][peer] for run in hf_runs], service_rate
-                )
+                entry, rates = peers[mode["name"], peer]
                 measured = entry["requests"]
                 queued, wall = metrics.sequential_service(measured, concurrency)
                 row = make_row(peer, mode["name"], concurrency, queued, wall)
@@ -257,9 +263,7 @@ def bench_pair(args, argv) -> None:
                 log(progress_line(len(rows), total, row, service_s) + "  [sequential service]")
     for mode in MODES:
         for peer in ("hf_target", "hf_assisted"):
-            measured = median_run(
-                [run["peers"][mode["name"]][peer] for run in hf_runs], service_rate
-            )[0]
+            measured = peers[mode["name"], peer][0]
             raw.append({"contender": peer, "mode": mode["name"], "concurrency": 1, **measured})
 
     if args.peers_only:
