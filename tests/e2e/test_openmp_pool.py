@@ -192,3 +192,27 @@ def test_cpu_bind_pins_the_model_threads(bind, model_dirs, tmp_path):
         assert main["cpus"] == [a, b]  # only the model's threads are pinned
     finally:
         worker.kill()
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--threads", "2", "--cpu-bind", "0-2"], "--cpu-bind: '0-2' names 3 CPUs for --threads 2"),
+        (["--threads", "1", "--cpu-bind", "4096"], "--cpu-bind: CPU 4096 is not one"),
+    ],
+)
+def test_a_cpu_list_that_cannot_be_pinned_stops_the_worker_before_it_loads(flags, says):
+    """A real worker process refuses a --cpu-bind list it cannot honour at start, naming the
+    flag (exit 2, before any model is read: the model path here does not exist)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "target_worker", "--model", "/nonexistent", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
+    assert "/nonexistent" not in done.stderr  # refused before the model was looked at
