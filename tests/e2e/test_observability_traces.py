@@ -104,8 +104,6 @@ def test_one_request_is_one_trace_across_three_processes(observed, receiver):
         assert len(verify) == 1 and children(spans, r, "specdec.commit") == [], r.attributes
         assert commit.start >= verify[0].end - CLOCK_SLACK_NS
         verifies.append(verify[0])
-    for commit, next_verify in zip(commits, verifies[1:]):  # it overlaps the next round
-        assert commit.start < next_verify.end, (commit.attributes, next_verify.attributes)
         (server,) = children(spans, verify[0], "TargetService/Verify")
         assert server.service == "specdec-target-worker"
         (queue,) = children(spans, server, "queue")
@@ -125,12 +123,15 @@ def test_one_request_is_one_trace_across_three_processes(observed, receiver):
         assert sum(p.duration for p in parts) <= r.duration + CLOCK_SLACK_NS
         busy += covered(r, parts + commits)
         total += r.duration
+    for commit, next_verify in zip(commits, verifies[1:]):  # it overlaps the next round
+        assert commit.start < next_verify.end, (commit.attributes, next_verify.attributes)
     # the round's own work (choosing γ, checking answers, detokenising) is small: its
-    # children and the commits it waits for cover most of each round, or what they leave is
-    # under a millisecond a round (the streamed linear kernel made the test models' forwards
-    # short enough that the coordinator's own ~0.4 ms a round came to 21 % of it)
-    own_ms = (total - busy) / len(rounds) / 1e6
-    assert busy >= 0.8 * total or own_ms < 1.0, (busy, total, own_ms)
+    # children and the commits it waits for cover most of each round (93 % here, over all
+    # rounds; the coordinator's own work ~0.7-0.85 ms a round on this machine). A share, not a
+    # time: it holds on a slower machine too. Until the per-round checks above sat in the
+    # commits' loop by mistake, this measured the last round only (77 % in a CI run).
+    share = busy / total
+    assert share >= 0.8, (share, (total - busy) / len(rounds) / 1e6)
     assert sum(r.duration for r in rounds) <= root.duration
 
 
