@@ -55,16 +55,19 @@ class BatchPlan:
     rate need not be unimodal in γ: every γ > 0 pays the draft call's fixed costs, so γ = 1
     can be worse than both γ = 0 and γ = 3. A window closes only after `min_rounds` measured
     rounds (or three windows' passes, at a very low load). The plan starts from the forecast;
-    when its γ has measured nothing for `max_age` windows' passes (after a pause) it starts
-    again from that γ, not the forecast (under load the forecast ran high: γ = 4 where the
+    when its γ has measured nothing for `max_age` windows' passes (after a pause, or back at
+    its load level after that long at others) it starts again from that γ, not the forecast (under load the forecast ran high: γ = 4 where the
     windows had found 2, docs/benchmarks.md), with a probe after each of its first 3 windows,
     the first of them at the forecast's choice, so a load unlike the last one moves it. A γ
     not measured since the last start (a load too light for a window to measure) gives way
     to the forecast, as at the start. A probe cut short by a switch to another load level's
     plan (`resume`), while it measured or after it measured ahead of the plan but before the
-    confirming window, is the first probe when the level is back."""
+    confirming window, is the first probe when the level is back; so is a probe whose own
+    window, or whose confirming window after it measured ahead, closed with too few rounds to
+    tell (the passes went to sessions of a fixed γ)."""
 
     PROBES = ("off", "neighbour", "half", "neighbour", "model", "neighbour")
+    RESTART_PROBE = "half"  # the first probe after the plan starts again
 
     window_passes: int = 4
     settle_passes: int = 1
@@ -96,6 +99,7 @@ class BatchPlan:
         self._pending: tuple[int, float, float, int] | None = None  # a probe awaiting its
         # confirming window: (γ, its rate, the plan's rate before it, the plan's γ)
         self._started = 1  # the window the plan last started afresh in
+        self._stale = False  # this window resumed a plan whose γ had measured nothing lately
         self._restarted = -1  # the pass it last started again at, after a pause
 
     def current(self, passes: int, alpha: float, max_gamma: int, model_best) -> int:
@@ -126,6 +130,9 @@ class BatchPlan:
             self._since_probe = self.probe_every  # at the close of the plan's next window
         self._probe_from = self._pending = None
         self.passes = passes
+        # its γ measured nothing for max_age windows' passes: the first window starts the plan
+        # again, as after a pause (`_close`) — the load now may be unlike the last one there
+        self._stale = not self._fresh(self.measured.get(self.best))
         self._begin(passes, self.best)
 
     def ticket(self, passes: int) -> tuple[int, bool]:
@@ -154,6 +161,9 @@ class BatchPlan:
         self.gamma, self.start, self.times = gamma, passes, []
 
     def _close(self, passes: int, alpha: float, max_gamma: int, model_best) -> None:
+        stale, self._stale = self._stale, False
+        if stale:  # its first window back after long elsewhere: the sessions' first rounds
+            self.times = []  # there ran slow (a γ = 1 probe after it won on that, falsely)
         rate = None
         if len(self.times) >= self.min_rounds:
             self.measured[self.gamma] = (typical_round_s(self.times), passes)
@@ -176,10 +186,16 @@ class BatchPlan:
         if self._probe_from is not None:  # a probe: the plan's γ again, to confirm
             if rate is not None and self._before is not None:
                 self._pending = (self.gamma, rate, self._before, self._probe_from)
+            elif rate is None:  # it measured too few rounds to tell: it goes again
+                self._retry_next(self.gamma)
             self._probe_from = None
             self._begin(passes, self.best)
             return
         pending, self._pending = self._pending, None
+        if pending is not None and rate is None and pending[1] > pending[2]:
+            # ahead of the plan, but this window measured too few rounds to confirm it (the
+            # passes went to sessions of a fixed γ): it goes again, first
+            self._retry_next(pending[0])
         if pending is not None and rate is not None and pending[3] == self.best:
             gamma, probed, before, _ = pending
             reference = (before + rate) / 2  # the plan's rate around the probe (A/B/A)
@@ -196,18 +212,21 @@ class BatchPlan:
                     return
                 self._begin(passes, gamma)
                 return
-        if (
-            rate is None
-            and self.gamma == self.best
-            and not self._fresh(self.measured.get(self.best))
-        ):  # nothing measured lately (a new load after a pause): start again — from this γ
-            # if its windows measured it since the last start, else (a load too light to
-            # measure) from the forecast
+        if self.gamma == self.best and (
+            stale or (rate is None and not self._fresh(self.measured.get(self.best)))
+        ):  # nothing measured lately (a new load after a pause, or back at this level after
+            # max_age windows' passes elsewhere): start again — from this γ if its windows
+            # measured it since the last start, else (a load too light to measure) from the
+            # forecast
             entry = self.measured.get(self.best)
             if entry is None or entry[1] <= self._restarted:
                 self.best = model_best(0)
-            self._started, self._restarted = self.window, passes
-            self._probes = self.PROBES.index("model")  # the forecast's choice probed first
+            # (after a stale resume the restart counts from the next window: this one's
+            # rounds were not measured)
+            self._started, self._restarted = self.window + stale, passes
+            self._probes = self.PROBES.index(
+                self.RESTART_PROBE
+            )  # the forecast's choice probed first
         best = min(self.best, max_gamma)
         self._since_probe += 1
         # in the first 3 windows of a (re)start every window probes
@@ -232,6 +251,11 @@ class BatchPlan:
             )
         self._before = rate
         self._probe(passes, probe, best)
+
+    def _retry_next(self, gamma: int) -> None:
+        """Probe `gamma` again at the close of the plan's next window."""
+        self._retry = gamma
+        self._since_probe = self.probe_every
 
     def _probe(self, passes: int, gamma: int, best: int) -> None:
         self._begin(passes, gamma)
