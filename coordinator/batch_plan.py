@@ -56,9 +56,12 @@ class BatchPlan:
     can be worse than both γ = 0 and γ = 3. A window closes only after `min_rounds` measured
     rounds (or three windows' passes, at a very low load). The plan starts from the forecast;
     when its γ has measured nothing for `max_age` windows' passes (after a pause, or back at
-    its load level after that long at others) it starts again from that γ, not the forecast (under load the forecast ran high: γ = 4 where the
-    windows had found 2, docs/benchmarks.md), with a probe after each of its first 3 windows,
-    the first of them at the forecast's choice, so a load unlike the last one moves it. A γ
+    its load level after that long at others: then its first window back is not measured, as
+    the sessions' first rounds there run slow) it starts again from that γ, not the forecast
+    (under load the forecast ran high: γ = 4 where the windows had found 2,
+    docs/benchmarks.md), with a probe after each of its first 3 windows, the first at half
+    its γ, then a neighbour and the forecast's choice, so a load unlike the last one moves
+    it either way. A γ
     not measured since the last start (a load too light for a window to measure) gives way
     to the forecast, as at the start. A probe cut short by a switch to another load level's
     plan (`resume`), while it measured or after it measured ahead of the plan but before the
@@ -224,9 +227,7 @@ class BatchPlan:
             # (after a stale resume the restart counts from the next window: this one's
             # rounds were not measured)
             self._started, self._restarted = self.window + stale, passes
-            self._probes = self.PROBES.index(
-                self.RESTART_PROBE
-            )  # the forecast's choice probed first
+            self._probes = self.PROBES.index(self.RESTART_PROBE)  # half, neighbour, forecast
         best = min(self.best, max_gamma)
         self._since_probe += 1
         # in the first 3 windows of a (re)start every window probes

@@ -295,7 +295,7 @@ def _run_windows(plan, passes, count, round_s, forecast=4):
 def test_after_a_pause_the_plan_starts_again_from_its_own_gamma(after):
     """A plan that found γ = 2 against a forecast of 4 pauses (nothing measured for longer
     than max_age windows). It starts again at 2, not at the forecast (the rule before: the
-    first window after the pause at 4), its first probe at half its γ, then the forecast's 4:
+    first window after the pause at 4), its first probe at half its γ, later the forecast's 4:
     under the same load 2 stays, under a load where 4 is best the plan moves there. (The
     forecast's choice first, as before: in a simulation of 12 changes of the best γ between
     0, 1, 2 and 4, 0.91 of the best rate in the 20 windows after the restart against 0.93
