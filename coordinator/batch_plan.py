@@ -54,20 +54,22 @@ class BatchPlan:
     per probe. Neighbours let the plan climb to the best γ; the others are there because the
     rate need not be unimodal in γ: every γ > 0 pays the draft call's fixed costs, so γ = 1
     can be worse than both γ = 0 and γ = 3. A window closes only after `min_rounds` measured
-    rounds (or three windows' passes, at a very low load). The plan starts from the forecast;
-    when its γ has measured nothing for `max_age` windows' passes (after a pause, or back at
-    its load level after that long at others: then its first window back is not measured, as
-    the sessions' first rounds there run slow) it starts again from that γ, not the forecast
+    rounds (or three windows' passes, at a very low load). At γ = 0 each probe lost in a row
+    doubles the wait for the next (up to `backoff` times): where speculation does not pay, a
+    probe's window runs at a lower rate. The plan starts from the forecast; when its γ has
+    measured nothing for `max_age` windows' passes — after a pause, or back at its load level
+    after that long at others with α̂ moved by `alpha_moved` or more (another mode or text:
+    its γ may no longer be best; its first window back is then not measured, as the
+    sessions' first rounds there run slow) — it starts again from that γ, not the forecast
     (under load the forecast ran high: γ = 4 where the windows had found 2,
     docs/benchmarks.md), with a probe after each of its first 3 windows, the first at half
     its γ, then a neighbour and the forecast's choice, so a load unlike the last one moves
-    it either way. A γ
-    not measured since the last start (a load too light for a window to measure) gives way
-    to the forecast, as at the start. A probe cut short by a switch to another load level's
-    plan (`resume`), while it measured or after it measured ahead of the plan but before the
-    confirming window, is the first probe when the level is back; so is a probe whose own
-    window, or whose confirming window after it measured ahead, closed with too few rounds to
-    tell (the passes went to sessions of a fixed γ)."""
+    it either way. A γ not measured since the last start (a load too light for a window to
+    measure) gives way to the forecast, as at the start. A probe cut short by a switch to
+    another load level's plan (`resume`), while it measured or after it measured ahead of
+    the plan but before the confirming window, is the first probe when the level is back; so
+    is a probe whose own window, or whose confirming window after it measured ahead, closed
+    with too few rounds to tell (the passes went to sessions of a fixed γ)."""
 
     PROBES = ("off", "neighbour", "half", "neighbour", "model", "neighbour")
     RESTART_PROBE = "half"  # the first probe after the plan starts again
@@ -78,12 +80,16 @@ class BatchPlan:
     max_age: int = 12
     min_rounds: int = 4
     margin: float = 0.02
+    backoff: int = 2  # at γ = 0, lost probes double the wait, up to 2^backoff × probe_every
+    alpha_moved: float = 0.05  # back at its level, a plan starts again if α̂ moved this much
 
     def __post_init__(self) -> None:
         if self.window_passes < 1 or not 0 <= self.settle_passes < self.window_passes:
             raise ValueError("window_passes must be >= 1 and 0 <= settle_passes < window_passes")
         if self.probe_every < 0 or self.max_age < 1 or self.min_rounds < 1 or self.margin < 0:
             raise ValueError("probe_every and margin must be >= 0, max_age and min_rounds >= 1")
+        if self.backoff < 0:
+            raise ValueError("backoff must be >= 0")
         self.gamma: int | None = None  # this window's γ
         self.best: int | None = None  # the plan's γ (what probes return to)
         self.window = 0  # this window's number
@@ -103,6 +109,8 @@ class BatchPlan:
         # confirming window: (γ, its rate, the plan's rate before it, the plan's γ)
         self._started = 1  # the window the plan last started afresh in
         self._stale = False  # this window resumed a plan whose γ had measured nothing lately
+        self._lost = 0  # probes from γ = 0 lost in a row since the plan went there or restarted
+        self._alpha: float | None = None  # α̂ when the plan last measured a window
         self._restarted = -1  # the pass it last started again at, after a pause
 
     def current(self, passes: int, alpha: float, max_gamma: int, model_best) -> int:
@@ -165,12 +173,15 @@ class BatchPlan:
 
     def _close(self, passes: int, alpha: float, max_gamma: int, model_best) -> None:
         stale, self._stale = self._stale, False
+        if stale and self._alpha is not None and abs(alpha - self._alpha) < self.alpha_moved:
+            stale = False  # back at its level with the acceptance as it was: its γ stands
         if stale:  # its first window back after long elsewhere: the sessions' first rounds
             self.times = []  # there ran slow (a γ = 1 probe after it won on that, falsely)
         rate = None
         if len(self.times) >= self.min_rounds:
             self.measured[self.gamma] = (typical_round_s(self.times), passes)
             rate = self.rate(self.gamma, alpha)
+            self._alpha = alpha
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "batch plan: window %d (passes %d-%d) γ=%d %s, %d rounds measured, "
@@ -203,8 +214,9 @@ class BatchPlan:
             gamma, probed, before, _ = pending
             reference = (before + rate) / 2  # the plan's rate around the probe (A/B/A)
             self.ratios[gamma] = (probed / reference, passes)
-            if probed > reference * (1 + self.margin) and gamma <= max_gamma:
-                # the probe won: it is the plan; on one more step the same way at once
+            won = probed > reference * (1 + self.margin) and gamma <= max_gamma
+            self._lost = 0 if won or self.best != 0 else min(self._lost + 1, self.backoff)
+            if won:  # the probe is the plan; on one more step the same way at once
                 step = 1 if gamma > self.best else -1
                 self.best, further = gamma, gamma + step
                 lost = self.ratios.get(further)
@@ -227,12 +239,19 @@ class BatchPlan:
             # (after a stale resume the restart counts from the next window: this one's
             # rounds were not measured)
             self._started, self._restarted = self.window + stale, passes
+            self._lost = 0
             self._probes = self.PROBES.index(self.RESTART_PROBE)  # half, neighbour, forecast
         best = min(self.best, max_gamma)
         self._since_probe += 1
-        # in the first 3 windows of a (re)start every window probes
+        # in the first 3 windows of a (re)start every window probes; later every
+        # probe_every-th — at γ = 0 twice as rarely after each probe lost in a row, up to
+        # `backoff` times: where speculation does not pay, each probe costs a window at a
+        # lower rate (SmolLM2 sampling at 4 sessions: ~0.75 of speculation off's)
         every = self.probe_every if self.window - self._started >= 3 else 1
-        if self.probe_every == 0 or self._since_probe < every or max_gamma == 0 or rate is None:
+        if self.best == 0:
+            every <<= self._lost
+        due = self._retry is not None or self._since_probe >= every  # a retry goes at once
+        if self.probe_every == 0 or not due or max_gamma == 0 or rate is None:
             self._begin(passes, best)
             return
         self._since_probe = 0

@@ -277,11 +277,11 @@ def test_the_batch_plan_logs_each_window_it_closes_at_debug(caplog):
     assert "γ=1 probe" in lines[1]  # the first window ends with a probe of half its γ
 
 
-def _run_windows(plan, passes, count, round_s, forecast=4):
+def _run_windows(plan, passes, count, round_s, forecast=4, alpha=0.7):
     """`count` windows of 4 passes, every settled round taking round_s[γ]; the γ of each."""
     windows = []
     for _ in range(count):
-        gamma = plan.current(passes, 0.7, 4, lambda low: max(low, forecast))
+        gamma = plan.current(passes, alpha, 4, lambda low: max(low, forecast))
         windows.append(gamma)
         for step in range(1, 4):
             ticket = plan.ticket(passes + step)
@@ -323,32 +323,36 @@ class _PlanResumedAsBefore(BatchPlan):
         self._stale = False
 
 
-@pytest.mark.parametrize("plan_class", [BatchPlan, _PlanResumedAsBefore])
-def test_back_at_its_level_after_long_elsewhere_the_plan_starts_again(plan_class):
-    """A level's plan found γ = 1; then other levels (or sessions of a fixed γ) held the
-    passes for 60 windows, and when the load is back at this level γ = 0 is best (on the
-    stack: SmolLM2 with sampling at 4 sessions after greedy, α̂ 0.3). Resumed, the plan
-    starts again from its 1, as after a pause: its first window back is not measured (on the
-    stack the sessions' first rounds there ran slow, and a probe after it won on that), then
-    a probe after each window, the first at half its γ — at 0 by its fifth window. Negative
-    control: resumed as before, it went on with its rotation and sat at 1 for four windows
-    here (up to six, the rotation's worst case)."""
+@pytest.mark.parametrize(
+    "plan_class, alpha", [(BatchPlan, 0.6), (_PlanResumedAsBefore, 0.6), (BatchPlan, 0.68)]
+)
+def test_back_at_its_level_with_another_acceptance_the_plan_starts_again(plan_class, alpha):
+    """A level's plan found γ = 1 at α̂ 0.7; then other levels (or sessions of a fixed γ) held
+    the passes for 60 windows, and when the load is back at this level α̂ is 0.6 and γ = 0 is
+    best (on the stack: SmolLM2 with sampling at 4 sessions after greedy, α̂ 0.33 against
+    0.40). Resumed, the plan starts again from its 1, as after a pause: its first window back
+    is not measured (on the stack the sessions' first rounds there ran slow, and a probe after
+    it won on that), then a probe after each window, the first at half its γ — at 0 by its
+    fifth window. Negative control: resumed as before, it went on with its rotation and sat
+    at 1 for four windows here (up to six, the rotation's worst case). With α̂ as it was
+    (0.68: moved less than `alpha_moved`) the plan goes on as before — the code pair at 16
+    sessions after a run at one lost 16 % to a restart's probes in a short run."""
     one = {0: 0.1, 1: 0.165, 2: 0.23, 3: 0.3, 4: 0.4}  # γ = 1 best at α = 0.7
-    zero = {0: 0.1, 1: 0.18, 2: 0.24, 3: 0.3, 4: 0.4}  # γ = 0 best
-    for table, best in ((one, 1), (zero, 0)):
-        rate = {g: expected_tokens(0.7, g) / t for g, t in table.items()}
+    zero = {0: 0.1, 1: 0.18, 2: 0.24, 3: 0.3, 4: 0.4}  # γ = 0 best at 0.6 and at 0.68
+    for table, best, a in ((one, 1, 0.7), (zero, 0, alpha)):
+        rate = {g: expected_tokens(a, g) / t for g, t in table.items()}
         assert max(rate, key=rate.get) == best
     plan = plan_class(window_passes=4, settle_passes=1, probe_every=6, max_age=12, min_rounds=2)
     _, passes = _run_windows(plan, 0, 30, one)
     assert plan.best == 1
     passes += 4 * 60
     plan.resume(passes)
-    windows, _ = _run_windows(plan, passes, 5, zero)
-    if plan_class is BatchPlan:
+    windows, _ = _run_windows(plan, passes, 5, zero, alpha=alpha)
+    if plan_class is BatchPlan and alpha == 0.6:
         assert windows == [1, 1, 0, 1, 0] and plan.best == 0
         assert plan.window - plan._started == 3  # restarted from its second window back
-    else:
-        assert windows[:4] == [1] * 4 and plan.best == 1  # its probe to 0 not yet confirmed
+    else:  # the rotation's probe of 0 not yet confirmed
+        assert windows[:4] == [1] * 4 and plan.best == 1, windows
 
 
 class _PlanThatDropsUnconfirmedProbes(BatchPlan):
@@ -375,6 +379,31 @@ def test_a_probe_ahead_whose_confirmation_measured_nothing_goes_again(plan_class
         assert windows[:3] == [4, 2, 4] and plan.best <= 2, windows
     else:
         assert 2 not in windows and plan.best == 4, windows
+
+
+@pytest.mark.parametrize("backoff", [2, 0])
+def test_at_gamma_0_lost_probes_come_ever_more_rarely(backoff):
+    """Where speculation does not pay (γ = 0 best; on the stack SmolLM2 with sampling at 4
+    sessions, a probe's window at γ = 1 ran at ~0.75 of the plan's), every probe lost in a row
+    doubles the wait for the next, up to 4 × probe_every: 5 probes in 90 windows instead of
+    14. When speculation pays again (γ = 1 best) a probe still finds it, later (24 windows
+    here), and the plan moves there. Negative control: `backoff=0`, the rule before."""
+    zero = {0: 0.1, 1: 0.18, 2: 0.24, 3: 0.3, 4: 0.4}  # γ = 0 best at α = 0.7
+    one = {0: 0.1, 1: 0.14, 2: 0.24, 3: 0.3, 4: 0.4}  # γ = 1 best
+    plan = BatchPlan(
+        window_passes=4,
+        settle_passes=1,
+        probe_every=6,
+        max_age=1000,
+        min_rounds=2,
+        backoff=backoff,
+    )
+    windows, passes = _run_windows(plan, 0, 90, zero, forecast=0)
+    assert plan.best == 0
+    probes = sum(g != 0 for g in windows)
+    assert probes == (5 if backoff else 14), windows
+    windows, _ = _run_windows(plan, passes, 40, one, forecast=0)
+    assert plan.best == 1 and windows.index(1) <= 25, windows
 
 
 def bursts(per_level: bool, bursts: int = 4, seed: int = 3) -> list[list[int]]:
