@@ -88,8 +88,8 @@ class BatchPlan:
             raise ValueError("window_passes must be >= 1 and 0 <= settle_passes < window_passes")
         if self.probe_every < 0 or self.max_age < 1 or self.min_rounds < 1 or self.margin < 0:
             raise ValueError("probe_every and margin must be >= 0, max_age and min_rounds >= 1")
-        if self.backoff < 0:
-            raise ValueError("backoff must be >= 0")
+        if self.backoff < 0 or self.alpha_moved < 0:
+            raise ValueError("backoff and alpha_moved must be >= 0")
         self.gamma: int | None = None  # this window's γ
         self.best: int | None = None  # the plan's γ (what probes return to)
         self.window = 0  # this window's number
@@ -102,7 +102,7 @@ class BatchPlan:
         # the first probe halves the forecast's γ (under load it runs high; where it is
         # right, the probe loses one window); then the rotation on from there
         self._probes = self.PROBES.index("half") if "half" in self.PROBES else 0
-        self._retry: int | None = None  # a probe `resume` dropped, to probe again first
+        self._retry: int | None = None  # a probe to go again first (cut short, or unmeasured)
         self._probe_from: int | None = None  # the plan's γ when this window is a probe
         self._before: float | None = None  # the plan's rate in the window before the probe
         self._pending: tuple[int, float, float, int] | None = None  # a probe awaiting its
@@ -137,8 +137,6 @@ class BatchPlan:
             self._retry = self.gamma
         elif self._pending is not None and self._pending[1] > self._pending[2]:
             self._retry = self._pending[0]  # a probe ahead, unconfirmed: it goes again
-        if self._retry is not None:
-            self._since_probe = self.probe_every  # at the close of the plan's next window
         self._probe_from = self._pending = None
         self.passes = passes
         # its γ measured nothing for max_age windows' passes: the first window starts the plan
@@ -201,7 +199,7 @@ class BatchPlan:
             if rate is not None and self._before is not None:
                 self._pending = (self.gamma, rate, self._before, self._probe_from)
             elif rate is None:  # it measured too few rounds to tell: it goes again
-                self._retry_next(self.gamma)
+                self._retry = self.gamma
             self._probe_from = None
             self._begin(passes, self.best)
             return
@@ -209,7 +207,7 @@ class BatchPlan:
         if pending is not None and rate is None and pending[1] > pending[2]:
             # ahead of the plan, but this window measured too few rounds to confirm it (the
             # passes went to sessions of a fixed γ): it goes again, first
-            self._retry_next(pending[0])
+            self._retry = pending[0]
         if pending is not None and rate is not None and pending[3] == self.best:
             gamma, probed, before, _ = pending
             reference = (before + rate) / 2  # the plan's rate around the probe (A/B/A)
@@ -250,7 +248,8 @@ class BatchPlan:
         every = self.probe_every if self.window - self._started >= 3 else 1
         if self.best == 0:
             every <<= self._lost
-        due = self._retry is not None or self._since_probe >= every  # a retry goes at once
+        # a probe to go again (`_retry`) is due at the close of the plan's next window
+        due = self._retry is not None or self._since_probe >= every
         if self.probe_every == 0 or not due or max_gamma == 0 or rate is None:
             self._begin(passes, best)
             return
@@ -271,11 +270,6 @@ class BatchPlan:
             )
         self._before = rate
         self._probe(passes, probe, best)
-
-    def _retry_next(self, gamma: int) -> None:
-        """Probe `gamma` again at the close of the plan's next window."""
-        self._retry = gamma
-        self._since_probe = self.probe_every
 
     def _probe(self, passes: int, gamma: int, best: int) -> None:
         self._begin(passes, gamma)

@@ -356,8 +356,11 @@ def test_back_at_its_level_with_another_acceptance_the_plan_starts_again(plan_cl
 
 
 class _PlanThatDropsUnconfirmedProbes(BatchPlan):
-    def _retry_next(self, gamma: int) -> None:  # the rule before: such a probe was dropped
-        pass
+    def _close(self, *args) -> None:  # the rule before: such a probe was dropped
+        retry = self._retry
+        super()._close(*args)
+        if self._probe_from is None and self.window > 1:
+            self._retry = retry
 
 
 @pytest.mark.parametrize("plan_class", [BatchPlan, _PlanThatDropsUnconfirmedProbes])
