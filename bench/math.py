@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.core import row_kernel
 from specdec.core.params import SamplingParams
 from specdec.core.processed import ProcessorParams, process
 from specdec.core.proposal import dense_q, propose_step, quantise
@@ -288,8 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/math")
     p.add_argument("--quick", action="store_true", help="vocab 8k and 128k, batch 1 and 16")
     p.add_argument("--model", action="append", default=[], help="also time against this model")
+    p.add_argument(
+        "--sampling-kernel",
+        default="auto",
+        choices=row_kernel.KERNELS,
+        help="rows past the window on a CPU: the compiled kernel or torch's ops (the workers' flag)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    row_kernel.select(args.sampling_kernel)
     if args.model:
         from transformers.utils import logging as hf_logging
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.core import row_kernel
 from specdec.engine.convert import resolve_model
 from specdec.engine.model import ModelRuntime, RuntimeSettings
 from specdec.serving.settings import opt
@@ -37,6 +38,7 @@ def build(settings: DraftSettings):
     from draft_worker.engine import ModelProposer, NgramProposer
     from draft_worker.service import DraftService
 
+    row_kernel.select(settings.sampling_kernel)  # before the model loads: a bad choice fails fast
     if settings.proposer == "ngram":
         proposer = NgramProposer(resolve_model(settings.model), max_ngram=settings.ngram_max)
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.core import row_kernel
 from specdec.engine.convert import resolve_model
 from specdec.engine.model import ModelRuntime, RuntimeSettings
 from specdec.serving.settings import opt
@@ -36,6 +37,7 @@ def build(settings: TargetSettings):
     from target_worker.engine import TargetEngine
     from target_worker.service import TargetService
 
+    row_kernel.select(settings.sampling_kernel)  # before the model loads: a bad choice fails fast
     runtime = ModelRuntime(
         RuntimeSettings(
             resolve_model(settings.model),

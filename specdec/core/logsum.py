@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.core import row_kernel
 from specdec.core.reduce import chunked
 
 WIDE = 2048  # up to this many values (a window), log Z is computed all in float64
@@ -60,7 +61,16 @@ def full_lse(logits, temperature, tau, z_max, scaled: bool = False) -> torch.Ten
     of the passes on a CPU, at the price of a sum off by up to ~5e-7 relative (1/T rounds), a
     shift of the cumulative masses the cut compares with top_p of that size. Chosen row by
     row, so a row's sum does not depend on the rows beside it. A log Z that p itself is
-    computed from is always summed over z divided by T, as `prob` computes z."""
+    computed from is always summed over z divided by T, as `prob` computes z.
+
+    On a CPU the compiled kernel sums each row where it is in use (`specdec.core.row_kernel`):
+    the same choices, exps in float32 added in float64 in vocabulary order."""
+    kernel = row_kernel.for_device(logits.device)
+    if kernel is not None and logits.shape[-1] > WIDE:
+        count = logits.shape[0]
+        cut = torch.full((count,), float("-inf")) if tau is None else tau
+        free = torch.isinf(cut) if scaled else torch.zeros(count, dtype=torch.bool)
+        return kernel.lse(logits.float(), temperature, cut, z_max, free)
     every = tau is None or bool(torch.isinf(tau).all())
     if scaled and not every:  # rows without a threshold take the scaled sum, row by row
         free = torch.isinf(tau).nonzero().squeeze(1)  # (whatever rows share their batch)

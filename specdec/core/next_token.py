@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.core import row_kernel
 from specdec.core.few_rows import few_rows, row_index
 from specdec.core.logsum import CHUNK, chunk_sums
 from specdec.core.processed import Processed
@@ -149,7 +150,22 @@ def window_draw(processed, rows, q_ids, q_weights, rejected, u, fixed=False) -> 
 
 
 def _sample_chunks(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tensor:
-    """`sample_next` for rows whose kept set runs past the window (see there)."""
+    """`sample_next` for rows whose kept set runs past the window (see there). On a CPU the
+    compiled kernel draws them where it is in use (`specdec.core.row_kernel`): the dense
+    draw itself, row by row."""
+    kernel = row_kernel.for_device(rows.device)
+    if kernel is not None:
+        none = torch.zeros(len(rows), 0)
+        return kernel.draw(
+            processed.logits[rows],
+            processed.temperature[rows],
+            processed.tau[rows],
+            processed.log_z[rows],
+            none.long() if q_ids is None else q_ids,
+            none.double() if q_weights is None else _normalised(q_weights),
+            rejected,
+            u,
+        )
     tokens, empty = chunk_draw(processed, rows, q_ids, q_weights, rejected, u)
     empty = empty.nonzero().squeeze(1)  # rounding chose a chunk with no mass
     if len(empty):

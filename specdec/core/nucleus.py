@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec.core import row_kernel
 from specdec.core.logsum import WIDE_BLOCK, masked_lse
 
 if TYPE_CHECKING:
@@ -74,9 +75,11 @@ def wide_rows(
     """(τ, log Z) of rows [U, vocab] (top-k off) whose top-p nucleus is past the window,
     finished together in blocks of `WIDE_BLOCK` values; log_all: each row's log-mass, z_max
     its largest z (both from the window, `specdec.core.processed`). A min-p cut above top-p's
-    sums its kept set over the row."""
+    sums its kept set over the row. On a CPU the cuts come from the compiled kernel where it
+    is in use (`specdec.core.row_kernel`), row by row."""
     step = max(1, WIDE_BLOCK // logits.shape[1])
     device = logits.device
+    kernel = row_kernel.for_device(device)
     taus, log_zs = [], []
     for start in range(0, logits.shape[0], step):
         rows = slice(start, start + step)
@@ -84,7 +87,10 @@ def wide_rows(
             x[rows].to(device) for x in (pp.temperature, pp.top_p, pp.min_p)
         )
         z = logits[rows].float() / temperature[:, None]
-        tau, log_z = nucleus_cuts(z, z_max[rows], top_p, log_all[rows])
+        if kernel is not None:
+            tau, log_z = kernel.nucleus(z, z_max[rows], top_p, log_all[rows])
+        else:
+            tau, log_z = nucleus_cuts(z, z_max[rows], top_p, log_all[rows])
         tau_m = (z_max[rows].double() + torch.log(min_p.clamp(min=1e-300))).float()
         raised = (min_p > 0) & (tau_m > tau)
         if bool(raised.any()):

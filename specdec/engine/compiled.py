@@ -6,8 +6,8 @@ ahead, `python -m specdec.engine.compiled` does the same) into `$SPECDEC_KERNEL_
 version and this CPU's instruction-set flags (`-march=native`: built for the CPU it runs
 on). Later starts import the built module directly. Where one cannot be built (no compiler,
 a read-only cache), `Extension.get` logs why once per process and returns the reason, and its
-callers fall back to other kernels: `attention_kernel` (`--attention-kernel`) and `kernels`
-(`--linear-kernel`).
+callers fall back to other kernels: `attention_kernel` (`--attention-kernel`), `kernels`
+(`--linear-kernel`) and `specdec.core.row_kernel` (`--sampling-kernel`).
 """
 
 from __future__ import annotations
@@ -125,10 +125,11 @@ class Extension:
 def main() -> int:
     """Build every kernel ahead of the workers (the Makefile does); 0 even where one cannot
     be built: the workers then use torch's kernels."""
+    from specdec.core import row_kernel
     from specdec.engine import attention_kernel, kernels
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for extension in (attention_kernel.EXTENSION, kernels.EXTENSION):
+    for extension in (attention_kernel.EXTENSION, kernels.EXTENSION, row_kernel.EXTENSION):
         found = extension.get()
         print(f"{extension.what}:", found if isinstance(found, str) else extension.module_name())
     return 0

@@ -51,6 +51,14 @@ class WorkerSettings(SecurityFlags):
         "session) | compiled (that, or fail) | torch",
         ["auto", "compiled", "torch"],
     )
+    sampling_kernel: str = opt(
+        "auto",
+        "the sampling math of rows whose kept set runs past the top window (a top-p nucleus "
+        "of more than 64 tokens), on a CPU: auto (a compiled C++ kernel, each row's passes in "
+        "one call, built once per machine, where it builds; else torch's ops) | compiled "
+        "(that, or fail) | torch",
+        ["auto", "compiled", "torch"],
+    )
     sampling_graphs: str = opt(
         "auto",
         "the sampling math of a verify / draft step (temperature > 0): auto (in fixed shapes, "

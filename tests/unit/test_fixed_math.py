@@ -24,7 +24,7 @@ from test_small_batch_math import (
 )
 
 from specdec.core import few_rows as few_rows_mod
-from specdec.core import fixed
+from specdec.core import fixed, row_kernel
 from specdec.core import graphs as graphs_mod
 from specdec.core.graphs import SamplingGraphs, _bucket
 from specdec.core.params import SamplingParams
@@ -36,9 +36,11 @@ from specdec.core.verify import verify_logits
 
 @pytest.fixture(autouse=True)
 def torch_path(monkeypatch):
-    """The eager reference on its tensor path (the small-batch path is compared with it in
-    tests/unit/test_small_batch_math.py)."""
+    """The eager reference on its tensor path of torch ops, as the fixed shapes compute it (the
+    small-batch path is compared with it in tests/unit/test_small_batch_math.py, the compiled
+    rows in tests/unit/test_sampling_kernel.py)."""
     monkeypatch.setattr(few_rows_mod, "FEW_ROWS", 0)
+    monkeypatch.setattr(row_kernel, "_chosen", [None])
 
 
 # log Z: rows the fixed path finishes from the histogram add float64 masses in another order

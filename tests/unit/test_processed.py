@@ -13,6 +13,7 @@ from specdec.core import few_rows as few_rows_mod
 from specdec.core import logsum as logsum_mod
 from specdec.core import nucleus as nucleus_mod
 from specdec.core import processed as processed_mod
+from specdec.core import row_kernel
 from specdec.core.params import SamplingParams
 from specdec.core.processed import ProcessorParams, process
 from specdec.core.proposal import dense_q, propose_step
@@ -55,12 +56,14 @@ def test_processed_rows_equal_the_dense_reference(kind):
         assert torch.allclose(probs, expected[tokens], rtol=1e-6, atol=1e-12)
 
 
-def test_a_large_nucleus_is_cut_from_its_histogram_not_a_sort(monkeypatch):
+@pytest.mark.parametrize("kernel", ["torch", "compiled"])
+def test_a_large_nucleus_is_cut_from_its_histogram_not_a_sort(monkeypatch, kernel):
     """A flat row with top-p 0.3 (a nucleus of ~1,000 of 5,000 tokens) cannot be cut inside
-    the 64-value window: it is finished from its histogram, the other rows are not, and the
-    result is still exactly the dense reference's."""
+    the 64-value window: it is finished from its histogram (torch's ops, or the compiled
+    kernel's), the other rows are not, and the result is still exactly the dense
+    reference's."""
     windows, cuts = [], []
-    real_thresholds, real_cut = processed_mod._thresholds, nucleus_mod.nucleus_cuts
+    real_thresholds = processed_mod._thresholds
     monkeypatch.setattr(
         processed_mod,
         "_thresholds",
@@ -68,9 +71,24 @@ def test_a_large_nucleus_is_cut_from_its_histogram_not_a_sort(monkeypatch):
             windows.append((len(logits), width)) or real_thresholds(logits, pp, width, **kw)
         ),
     )
-    monkeypatch.setattr(
-        nucleus_mod, "nucleus_cuts", lambda z, *a: cuts.append(len(z)) or real_cut(z, *a)
-    )
+    if kernel == "torch":
+        monkeypatch.setattr(row_kernel, "_chosen", [None])
+        real_cut = nucleus_mod.nucleus_cuts
+        monkeypatch.setattr(
+            nucleus_mod, "nucleus_cuts", lambda z, *a: cuts.append(len(z)) or real_cut(z, *a)
+        )
+    else:
+        module = row_kernel.EXTENSION.get()
+        assert not isinstance(module, str), module
+
+        class Counted:  # the kernel, counting the rows it cuts
+            def __getattr__(self, name):
+                return getattr(module, name)
+
+            def nucleus(self, z, *a):
+                return cuts.append(len(z)) or module.nucleus(z, *a)
+
+        monkeypatch.setattr(row_kernel, "_chosen", [Counted()])
     params = [
         SamplingParams(temperature=1.0, top_p=0.3),
         SamplingParams(temperature=1.0, top_k=3),
@@ -136,6 +154,7 @@ def test_wide_rows_are_finished_in_blocks_as_one_at_a_time(monkeypatch):
     its distribution is the dense reference's (min-p raising the cut on some rows).
     Negative control: a cut one token lower fails the same kept-set check."""
     vocab = 3000
+    monkeypatch.setattr(row_kernel, "_chosen", [None])  # torch's blocks (the kernel: row by row)
     monkeypatch.setattr(nucleus_mod, "WIDE_BLOCK", 2 * vocab)  # blocks of 2 rows
     params = [
         SamplingParams(temperature=t, top_p=p, min_p=m)
@@ -172,6 +191,7 @@ def test_whole_row_normalisers_in_blocks_equal_each_row_alone(monkeypatch, scale
     within the documented rounding. Rows with a threshold and rows without share a call (the
     threshold then applies per row; `scaled` only where no row has one)."""
     vocab = 3000
+    monkeypatch.setattr(row_kernel, "_chosen", [None])  # torch's blocks (the kernel: row by row)
     monkeypatch.setattr(logsum_mod, "WIDE_BLOCK", 2 * vocab)  # blocks of 2 rows
     blocks, real_block = [], logsum_mod.row_lse
     monkeypatch.setattr(

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from specdec.core import few_rows as few_rows_mod
 from specdec.core import processed as processed_mod
+from specdec.core import row_kernel
 from specdec.core import verify as verify_mod
 from specdec.core.params import SamplingParams
 from specdec.core.processed import Processed, ProcessorParams, process
@@ -55,6 +57,17 @@ def stress_params(rng: random.Random) -> SamplingParams:
         top_p=rng.choice(TOP_P),
         min_p=rng.choice(MIN_P),
     )
+
+
+@pytest.fixture(autouse=True, params=["compiled", "torch"])
+def sampling_kernel(request, monkeypatch):
+    """Each comparison with the compiled sampling kernel (`specdec.core.row_kernel`: rows past
+    the window, on both paths) and with torch's ops alone (a machine without a compiler)."""
+    module = None
+    if request.param == "compiled":
+        module = row_kernel.EXTENSION.get()
+        assert not isinstance(module, str), module
+    monkeypatch.setattr(row_kernel, "_chosen", [module])
 
 
 def on_both_paths(monkeypatch, fn, *args):

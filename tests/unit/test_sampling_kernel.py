@@ -1,0 +1,273 @@
+"""The compiled sampling kernel (`specdec.core.row_kernel`, `csrc/sampling_rows.cpp`): the
+rows past the window get the torch path's τ bit for bit and its log Z to rounding, their next
+token is the dense reference's draw (`draw_next` over dense float64 rows), whole-row log-sums
+agree with `full_lse` within its float32 rounding, and a row's result does not depend on the
+rows beside it — on the stress set of tests/unit/test_small_batch_math.py (flat rows with
+nuclei of thousands, ties, plateaus, 8k and 49k vocabularies). Through the eager hot path the
+first token and the bonus token of γ = 1 rounds follow Hugging Face's warpers (chi-square),
+and redrawing from p after a rejection fails the same test. `--sampling-kernel` chooses it;
+the toolchain is part of the set-up (`make tools`), so these tests build the kernel and fail,
+not skip, where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from test_fixed_math import first_round, hf_probs, pvalue
+from test_small_batch_math import stress_logits
+
+from specdec.core import logsum, nucleus, row_kernel
+from specdec.core.next_token import draw_next
+from specdec.core.params import SamplingParams
+from specdec.core.processed import ProcessorParams, process
+from specdec.core.proposal import dense_q
+
+KINDS = ("flat", "flat", "ties", "plateau", "peaked")
+
+
+@pytest.fixture(scope="module")
+def module():
+    found = row_kernel.EXTENSION.get()
+    assert not isinstance(found, str), found
+    return found
+
+
+@pytest.fixture
+def compiled(module, monkeypatch):
+    monkeypatch.setattr(row_kernel, "_chosen", [module])
+    return module
+
+
+def wide_inputs(gen: torch.Generator, count: int):
+    """(z, z_max, top_p, log_norm) of `count` stress rows, as `wide_rows` passes them."""
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    vocab = rng.choice((8192, 8192, 49152))
+    logits = stress_logits(gen, count, vocab, rng.choice(KINDS))
+    temperature = torch.tensor([rng.choice((0.3, 0.8, 1.0, 1.7)) for _ in range(count)])
+    top_p = torch.tensor([rng.choice((0.5, 0.9, 0.95, 0.999)) for _ in range(count)]).double()
+    z = logits / temperature[:, None]
+    z_max = z.max(dim=1).values
+    log_norm = logsum.full_lse(logits, temperature, None, z_max, scaled=True)
+    return z, z_max, top_p, log_norm
+
+
+def drawn(module, logits, processed, q_ids, q_probs, rejected, u) -> torch.Tensor:
+    """The kernel's draws from processed rows `logits` (every row of `processed`)."""
+    p = processed
+    return module.draw(logits, p.temperature, p.tau, p.log_z, q_ids, q_probs, rejected, u)
+
+
+def test_nucleus_cuts_are_the_torch_paths(module, monkeypatch):
+    monkeypatch.setattr(row_kernel, "_chosen", [None])  # the torch path's log-masses
+    gen = torch.Generator().manual_seed(3)
+    rows = 0
+    for _ in range(150):
+        z, z_max, top_p, log_norm = wide_inputs(gen, 4)
+        tau, log_z = nucleus.nucleus_cuts(z, z_max, top_p, log_norm)
+        got_tau, got_log_z = module.nucleus(z, z_max, top_p, log_norm)
+        assert torch.equal(got_tau, tau)
+        # the kept masses add in another order (~1e-16 relative)
+        assert torch.allclose(got_log_z, log_z, rtol=0, atol=1e-12)
+        rows += len(z)
+    assert rows == 600
+
+
+def test_draws_are_the_dense_references(compiled):
+    """Recovered tokens (rejected: the residual of q̃ — in the window, past it, ids repeated)
+    and bonus tokens of processed stress rows whose kept set runs past the window, against
+    `draw_next` over dense float64 p and q̃."""
+    gen = torch.Generator().manual_seed(4)
+    rng = random.Random(4)
+    draws = wide = 0
+    for _ in range(120):
+        vocab = rng.choice((8192, 49152))
+        logits = stress_logits(gen, 4, vocab, rng.choice(KINDS))
+        params = [
+            SamplingParams(
+                temperature=rng.choice((0.3, 0.8, 1.3)),
+                top_p=rng.choice((0.9, 0.999, 1.0)),
+                min_p=rng.choice((0.0, 0.0, 0.01)),
+            )
+            for _ in range(4)
+        ]
+        processed = process(logits, ProcessorParams.of(params))
+        rows = torch.arange(4)
+        in_window = processed.top_ids[:, :16]
+        anywhere = torch.randint(0, vocab, (4, 16), generator=gen)
+        q_ids = torch.cat([in_window, anywhere, anywhere[:, :4]], dim=1)  # some ids twice
+        q_weights = torch.randint(0, 65536, q_ids.shape, generator=gen)
+        rejected = torch.rand(4, generator=gen) < 0.7
+        u = torch.rand(4, generator=gen, dtype=torch.float64)
+        q_probs = q_weights.double() / q_weights.sum(dim=1, keepdim=True)
+        got = drawn(compiled, logits, processed, q_ids, q_probs, rejected, u)
+        p = processed.dense(rows)
+        assert torch.equal(got, draw_next(p, dense_q(q_ids, q_weights, vocab), rejected, u))
+        none = torch.zeros(4, 0)
+        bonus = drawn(
+            compiled,
+            logits,
+            processed,
+            none.long(),
+            none.double(),
+            torch.zeros(4, dtype=torch.bool),
+            u,
+        )
+        assert torch.equal(bonus, draw_next(p, p, torch.zeros(4, dtype=torch.bool), u))
+        draws += 8
+        wide += int((~processed.inside(rows)).sum())
+    assert draws == 960 and wide > 200  # most rows keep tokens past their window
+
+
+def test_whole_row_log_sums_are_full_lses(module, monkeypatch):
+    """`full_lse` through the kernel against its torch path: cuts and none, the scaled sum of
+    top-p's normaliser and the divided one, within the torch path's float32 chunk sums."""
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(60):
+        z, z_max, _, _ = wide_inputs(gen, 4)
+        logits, temperature = z, torch.ones(4)  # z itself at T = 1
+        tau = torch.tensor([float("-inf"), float(z[1].median()), float("-inf"), float(z[3, 7])])
+        for cut in (None, tau):
+            for scaled in (False, True):
+                monkeypatch.setattr(row_kernel, "_chosen", [None])
+                want = logsum.full_lse(logits, temperature, cut, z_max, scaled)
+                monkeypatch.setattr(row_kernel, "_chosen", [module])
+                got = logsum.full_lse(logits, temperature, cut, z_max, scaled)
+                assert torch.allclose(got, want, rtol=2e-7, atol=0)
+
+
+def test_a_row_alone_is_the_row_in_a_batch(module):
+    gen = torch.Generator().manual_seed(6)
+    z, z_max, top_p, log_norm = wide_inputs(gen, 6)
+    tau, log_z = module.nucleus(z, z_max, top_p, log_norm)
+    temperature = torch.ones(6)
+    sums = module.lse(z, temperature, tau, z_max, torch.zeros(6, dtype=torch.bool))
+    u = torch.rand(6, generator=gen, dtype=torch.float64)
+    q_ids = torch.randint(0, z.shape[1], (6, 8), generator=gen)
+    q_probs = torch.full((6, 8), 1 / 8, dtype=torch.float64)
+    rejected = torch.tensor([True, False] * 3)
+    tokens = module.draw(z, temperature, tau, log_z, q_ids, q_probs, rejected, u)
+    for r in range(6):
+        one = slice(r, r + 1)
+        t, lz = module.nucleus(z[one], z_max[one], top_p[one], log_norm[one])
+        assert torch.equal(t, tau[one]) and torch.equal(lz, log_z[one])
+        alone = module.lse(
+            z[one], temperature[one], tau[one], z_max[one], torch.zeros(1, dtype=torch.bool)
+        )
+        assert torch.equal(alone, sums[one])
+        drawn = module.draw(
+            z[one],
+            temperature[one],
+            tau[one],
+            log_z[one],
+            q_ids[one],
+            q_probs[one],
+            rejected[one],
+            u[one],
+        )
+        assert torch.equal(drawn, tokens[one])
+
+
+def test_negative_control_a_top_p_one_step_off_is_caught(module):
+    gen = torch.Generator().manual_seed(3)
+    caught = 0
+    for _ in range(20):
+        z, z_max, top_p, log_norm = wide_inputs(gen, 4)
+        tau, _ = nucleus.nucleus_cuts(z, z_max, top_p, log_norm)
+        got, _ = module.nucleus(z, z_max, top_p * (1 + 1e-4), log_norm)
+        caught += not torch.equal(got, tau)
+    assert caught >= 15
+
+
+def test_negative_control_a_draw_from_p_after_a_rejection_is_caught(compiled):
+    gen = torch.Generator().manual_seed(7)
+    logits = stress_logits(gen, 4, 8192, "flat")
+    params = ProcessorParams.of([SamplingParams(temperature=0.8, top_p=0.95)] * 4)
+    processed = process(logits, params)
+    q_ids = processed.top_ids[:, :32]
+    q_weights = torch.full((4, 32), 1000)
+    q_probs = q_weights.double() / q_weights.sum(dim=1, keepdim=True)
+    rejected = torch.ones(4, dtype=torch.bool)
+    dense = processed.dense(torch.arange(4))
+    mismatches = 0
+    for _ in range(50):
+        u = torch.rand(4, generator=gen, dtype=torch.float64)
+        wrong = drawn(
+            compiled, logits, processed, q_ids, q_probs, torch.zeros(4, dtype=torch.bool), u
+        )
+        want = draw_next(dense, dense_q(q_ids, q_weights, 8192), rejected, u)
+        mismatches += int((wrong != want).sum())
+    assert mismatches > 50
+
+
+# --- lossless through the eager hot path with the kernel -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eager_rounds(module):
+    chosen = row_kernel._chosen[:]
+    row_kernel._chosen[:] = [module]
+    try:
+        yield first_round(None)
+    finally:
+        row_kernel._chosen[:] = chosen
+
+
+@pytest.mark.slow
+def test_first_token_and_bonus_are_the_targets(eager_rounds):
+    """γ = 1 rounds of 2,000 sessions at once (the batched path), nuclei of ~200 tokens past
+    the 64-value window: cut and drawn by the kernel."""
+    first, bonus, target, params = eager_rounds
+    p0 = hf_probs(target[0], params.temperature, params.top_p)
+    p1 = hf_probs(target[1], params.temperature, params.top_p)
+    assert int((p0 > 0).sum()) > 3 * 64
+    accepted = bonus[bonus >= 0]
+    assert len(accepted) > len(first) // 10
+    assert pvalue(first, p0) > 1e-3
+    assert pvalue(accepted, p1) > 1e-3
+
+
+@pytest.mark.slow
+def test_negative_control_redrawing_from_p_after_a_rejection_fails(module, monkeypatch):
+    class FromP:  # the kernel, but every recovered token drawn from p instead of the residual
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def draw(self, logits, temperature, tau, log_z, q_ids, q_probs, rejected, u):
+            none = torch.zeros_like(rejected)
+            return module.draw(logits, temperature, tau, log_z, q_ids, q_probs, none, u)
+
+    monkeypatch.setattr(row_kernel, "_chosen", [FromP()])
+    first, _, target, params = first_round(None)
+    assert pvalue(first, hf_probs(target[0], params.temperature, params.top_p)) < 1e-6
+
+
+# --- the flag -----------------------------------------------------------------------------------
+
+
+def test_select(module, monkeypatch):
+    monkeypatch.setattr(row_kernel, "_chosen", [])
+    assert row_kernel.select("torch") is False
+    assert row_kernel.for_device(torch.device("cpu")) is None
+    assert row_kernel.select("compiled") is True
+    assert row_kernel.for_device(torch.device("cpu")) is module
+    assert row_kernel.for_device(torch.device("meta")) is None  # CPU rows only
+    with pytest.raises(ValueError, match="--sampling-kernel: expected one of"):
+        row_kernel.select("fast")
+
+
+def test_without_a_toolchain_auto_uses_torch_and_compiled_says_why(monkeypatch, caplog):
+    def no_compiler(name):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(row_kernel.EXTENSION, "_loaded", {})
+    monkeypatch.setattr(row_kernel.EXTENSION, "build", no_compiler)
+    monkeypatch.setattr(row_kernel, "_chosen", [])
+    with caplog.at_level(logging.WARNING, "specdec.engine.compiled"):
+        assert row_kernel.for_device(torch.device("cpu")) is None  # first use: auto
+        assert row_kernel.select("auto") is False
+    assert "compiled sampling kernel unavailable, torch's ops instead" in caplog.text
+    with pytest.raises(ValueError, match="--sampling-kernel: compiled is not available"):
+        row_kernel.select("compiled")
