@@ -87,7 +87,22 @@ def sample_next_few(processed, rows, q_ids, q_weights, rejected, u) -> list[int]
             q = sparse_q(q_ids[j], q_weights[j]) if q_ids is not None and rejected[j] else None
             tokens[j] = _draw_window(kept, q, u[j])
     out = [j for j in range(len(rows)) if j not in inside]
-    if out:
+    kernel = row_kernel.for_device(processed.logits.device) if out else None
+    if kernel is not None:  # the compiled draw takes the lists as they are
+        qi = [] if q_ids is None else [q_ids[j] for j in out]
+        qw = [] if q_weights is None else [q_weights[j] for j in out]
+        drawn = kernel_draw(
+            kernel,
+            processed,
+            [rows[j] for j in out],
+            qi,
+            qw,
+            [rejected[j] for j in out],
+            [u[j] for j in out],
+        )
+        for j, token in zip(out, drawn):
+            tokens[j] = token
+    elif out:
         qi = None if q_ids is None else torch.tensor([q_ids[j] for j in out])
         qw = (
             None
@@ -105,6 +120,14 @@ def sample_next_few(processed, rows, q_ids, q_weights, rejected, u) -> list[int]
         for j, token in zip(out, drawn.tolist()):
             tokens[j] = token
     return tokens
+
+
+def kernel_draw(kernel, processed, rows, q_ids, q_weights, rejected, u) -> list[int]:
+    """The compiled kernel's draws (`specdec.core.row_kernel`) of processed rows, every
+    argument a list (q_ids, q_weights: [S][K], or [] without q̃): the dense draw itself."""
+    p = processed
+    logits = p.logits if p.logits.dtype == torch.float32 else p.logits.float()
+    return kernel.draw(logits, rows, p.temperature, p.tau, p.log_z, q_ids, q_weights, rejected, u)
 
 
 def _draw_window(kept: list[tuple[int, float]], q: dict[int, float] | None, u: float) -> int:
@@ -155,17 +178,9 @@ def _sample_chunks(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tens
     draw itself, row by row."""
     kernel = row_kernel.for_device(rows.device)
     if kernel is not None:
-        none = torch.zeros(len(rows), 0)
-        return kernel.draw(
-            processed.logits[rows],
-            processed.temperature[rows],
-            processed.tau[rows],
-            processed.log_z[rows],
-            none.long() if q_ids is None else q_ids,
-            none.double() if q_weights is None else _normalised(q_weights),
-            rejected,
-            u,
-        )
+        lists = [[] if x is None else x.tolist() for x in (q_ids, q_weights)]
+        drawn = kernel_draw(kernel, processed, rows.tolist(), *lists, rejected.tolist(), u.tolist())
+        return torch.tensor(drawn, dtype=torch.int64, device=rows.device)
     tokens, empty = chunk_draw(processed, rows, q_ids, q_weights, rejected, u)
     empty = empty.nonzero().squeeze(1)  # rounding chose a chunk with no mass
     if len(empty):

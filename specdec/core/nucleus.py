@@ -75,28 +75,37 @@ def wide_rows(
     """(τ, log Z) of rows [U, vocab] (top-k off) whose top-p nucleus is past the window,
     finished together in blocks of `WIDE_BLOCK` values; log_all: each row's log-mass, z_max
     its largest z (both from the window, `specdec.core.processed`). A min-p cut above top-p's
-    sums its kept set over the row. On a CPU the cuts come from the compiled kernel where it
-    is in use (`specdec.core.row_kernel`), row by row."""
-    step = max(1, WIDE_BLOCK // logits.shape[1])
+    sums its kept set over the row. On a CPU the compiled kernel cuts the rows where it is in
+    use (`specdec.core.row_kernel`), one call for all of them, row by row."""
     device = logits.device
     kernel = row_kernel.for_device(device)
+    if kernel is not None:
+        tau, log_z = kernel.nucleus(logits, pp.temperature, z_max, pp.top_p, log_all)
+        return _min_p(logits, pp, z_max, tau, log_z)
+    step = max(1, WIDE_BLOCK // logits.shape[1])
     taus, log_zs = [], []
     for start in range(0, logits.shape[0], step):
         rows = slice(start, start + step)
-        temperature, top_p, min_p = (
-            x[rows].to(device) for x in (pp.temperature, pp.top_p, pp.min_p)
-        )
+        temperature, top_p = (x[rows].to(device) for x in (pp.temperature, pp.top_p))
         z = logits[rows].float() / temperature[:, None]
-        if kernel is not None:
-            tau, log_z = kernel.nucleus(z, z_max[rows], top_p, log_all[rows])
-        else:
-            tau, log_z = nucleus_cuts(z, z_max[rows], top_p, log_all[rows])
-        tau_m = (z_max[rows].double() + torch.log(min_p.clamp(min=1e-300))).float()
-        raised = (min_p > 0) & (tau_m > tau)
-        if bool(raised.any()):
-            r = raised.nonzero().squeeze(1)
-            tau[r] = tau_m[r]
-            log_z[r] = masked_lse(z[r], tau[r], z_max[rows][r])
+        tau, log_z = nucleus_cuts(z, z_max[rows], top_p, log_all[rows])
+        tau, log_z = _min_p(logits[rows], pp[rows], z_max[rows], tau, log_z)
         taus.append(tau)
         log_zs.append(log_z)
     return torch.cat(taus), torch.cat(log_zs)
+
+
+def _min_p(logits, pp: ProcessorParams, z_max, tau, log_z):
+    """(τ, log Z) with min-p's cut where it lies above top-p's: its kept set summed over the
+    row (`masked_lse`). Nothing to do where no row uses min-p."""
+    if pp.min_p_used is False:
+        return tau, log_z
+    min_p = pp.min_p.to(logits.device)
+    tau_m = (z_max.double() + torch.log(min_p.clamp(min=1e-300))).float()
+    raised = (min_p > 0) & (tau_m > tau)
+    if bool(raised.any()):
+        r = raised.nonzero().squeeze(1)
+        z = logits[r].float() / pp.temperature.to(logits.device)[r, None]
+        tau[r] = tau_m[r]
+        log_z[r] = masked_lse(z, tau[r], z_max[r])
+    return tau, log_z

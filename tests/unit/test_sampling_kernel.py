@@ -42,7 +42,8 @@ def compiled(module, monkeypatch):
 
 
 def wide_inputs(gen: torch.Generator, count: int):
-    """(z, z_max, top_p, log_norm) of `count` stress rows, as `wide_rows` passes them."""
+    """(logits, temperature, z, z_max, top_p, log_norm) of `count` stress rows, as
+    `wide_rows` gets them (z = logits / T, the torch path's input)."""
     rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
     vocab = rng.choice((8192, 8192, 49152))
     logits = stress_logits(gen, count, vocab, rng.choice(KINDS))
@@ -51,13 +52,15 @@ def wide_inputs(gen: torch.Generator, count: int):
     z = logits / temperature[:, None]
     z_max = z.max(dim=1).values
     log_norm = logsum.full_lse(logits, temperature, None, z_max, scaled=True)
-    return z, z_max, top_p, log_norm
+    return logits, temperature, z, z_max, top_p, log_norm
 
 
-def drawn(module, logits, processed, q_ids, q_probs, rejected, u) -> torch.Tensor:
-    """The kernel's draws from processed rows `logits` (every row of `processed`)."""
+def drawn(module, processed, rows, q_ids, q_weights, rejected, u) -> list[int]:
+    """The kernel's draws from the processed rows `rows` (tensors as lists)."""
+    lists = [[] if x is None else x.tolist() for x in (q_ids, q_weights)]
     p = processed
-    return module.draw(logits, p.temperature, p.tau, p.log_z, q_ids, q_probs, rejected, u)
+    args = (p.logits, rows.tolist(), p.temperature, p.tau, p.log_z, *lists)
+    return module.draw(*args, rejected.tolist(), u.tolist())
 
 
 def test_nucleus_cuts_are_the_torch_paths(module, monkeypatch):
@@ -65,9 +68,9 @@ def test_nucleus_cuts_are_the_torch_paths(module, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     rows = 0
     for _ in range(150):
-        z, z_max, top_p, log_norm = wide_inputs(gen, 4)
+        logits, temperature, z, z_max, top_p, log_norm = wide_inputs(gen, 4)
         tau, log_z = nucleus.nucleus_cuts(z, z_max, top_p, log_norm)
-        got_tau, got_log_z = module.nucleus(z, z_max, top_p, log_norm)
+        got_tau, got_log_z = module.nucleus(logits, temperature, z_max, top_p, log_norm)
         assert torch.equal(got_tau, tau)
         # the kept masses add in another order (~1e-16 relative)
         assert torch.allclose(got_log_z, log_z, rtol=0, atol=1e-12)
@@ -94,28 +97,21 @@ def test_draws_are_the_dense_references(compiled):
             for _ in range(4)
         ]
         processed = process(logits, ProcessorParams.of(params))
-        rows = torch.arange(4)
-        in_window = processed.top_ids[:, :16]
+        rows = torch.tensor([3, 0, 2, 1])
+        in_window = processed.top_ids[rows, :16]
         anywhere = torch.randint(0, vocab, (4, 16), generator=gen)
         q_ids = torch.cat([in_window, anywhere, anywhere[:, :4]], dim=1)  # some ids twice
         q_weights = torch.randint(0, 65536, q_ids.shape, generator=gen)
         rejected = torch.rand(4, generator=gen) < 0.7
         u = torch.rand(4, generator=gen, dtype=torch.float64)
-        q_probs = q_weights.double() / q_weights.sum(dim=1, keepdim=True)
-        got = drawn(compiled, logits, processed, q_ids, q_probs, rejected, u)
+        got = drawn(compiled, processed, rows, q_ids, q_weights, rejected, u)
         p = processed.dense(rows)
-        assert torch.equal(got, draw_next(p, dense_q(q_ids, q_weights, vocab), rejected, u))
-        none = torch.zeros(4, 0)
-        bonus = drawn(
-            compiled,
-            logits,
-            processed,
-            none.long(),
-            none.double(),
-            torch.zeros(4, dtype=torch.bool),
-            u,
+        want = draw_next(p, dense_q(q_ids, q_weights, vocab), rejected, u)
+        assert got == want.tolist()
+        no = torch.zeros(4, dtype=torch.bool)
+        assert (
+            drawn(compiled, processed, rows, None, None, no, u) == draw_next(p, p, no, u).tolist()
         )
-        assert torch.equal(bonus, draw_next(p, p, torch.zeros(4, dtype=torch.bool), u))
         draws += 8
         wide += int((~processed.inside(rows)).sum())
     assert draws == 960 and wide > 200  # most rows keep tokens past their window
@@ -126,8 +122,7 @@ def test_whole_row_log_sums_are_full_lses(module, monkeypatch):
     top-p's normaliser and the divided one, within the torch path's float32 chunk sums."""
     gen = torch.Generator().manual_seed(5)
     for _ in range(60):
-        z, z_max, _, _ = wide_inputs(gen, 4)
-        logits, temperature = z, torch.ones(4)  # z itself at T = 1
+        logits, temperature, z, z_max, _, _ = wide_inputs(gen, 4)
         tau = torch.tensor([float("-inf"), float(z[1].median()), float("-inf"), float(z[3, 7])])
         for cut in (None, tau):
             for scaled in (False, True):
@@ -140,43 +135,35 @@ def test_whole_row_log_sums_are_full_lses(module, monkeypatch):
 
 def test_a_row_alone_is_the_row_in_a_batch(module):
     gen = torch.Generator().manual_seed(6)
-    z, z_max, top_p, log_norm = wide_inputs(gen, 6)
-    tau, log_z = module.nucleus(z, z_max, top_p, log_norm)
-    temperature = torch.ones(6)
-    sums = module.lse(z, temperature, tau, z_max, torch.zeros(6, dtype=torch.bool))
-    u = torch.rand(6, generator=gen, dtype=torch.float64)
-    q_ids = torch.randint(0, z.shape[1], (6, 8), generator=gen)
-    q_probs = torch.full((6, 8), 1 / 8, dtype=torch.float64)
-    rejected = torch.tensor([True, False] * 3)
-    tokens = module.draw(z, temperature, tau, log_z, q_ids, q_probs, rejected, u)
+    logits, temperature, _, z_max, top_p, log_norm = wide_inputs(gen, 6)
+    tau, log_z = module.nucleus(logits, temperature, z_max, top_p, log_norm)
+    none = torch.zeros(6, dtype=torch.bool)
+    sums = module.lse(logits, temperature, tau, z_max, none)
+    u = torch.rand(6, generator=gen, dtype=torch.float64).tolist()
+    q_ids = torch.randint(0, logits.shape[1], (6, 8), generator=gen).tolist()
+    q_weights = [[1000.0] * 8] * 6
+    rejected = [True, False] * 3
+    tokens = module.draw(
+        logits, list(range(6)), temperature, tau, log_z, q_ids, q_weights, rejected, u
+    )
     for r in range(6):
         one = slice(r, r + 1)
-        t, lz = module.nucleus(z[one], z_max[one], top_p[one], log_norm[one])
+        row = (logits[one], temperature[one])
+        t, lz = module.nucleus(*row, z_max[one], top_p[one], log_norm[one])
         assert torch.equal(t, tau[one]) and torch.equal(lz, log_z[one])
-        alone = module.lse(
-            z[one], temperature[one], tau[one], z_max[one], torch.zeros(1, dtype=torch.bool)
-        )
-        assert torch.equal(alone, sums[one])
-        drawn = module.draw(
-            z[one],
-            temperature[one],
-            tau[one],
-            log_z[one],
-            q_ids[one],
-            q_probs[one],
-            rejected[one],
-            u[one],
-        )
-        assert torch.equal(drawn, tokens[one])
+        assert torch.equal(module.lse(*row, tau[one], z_max[one], none[one]), sums[one])
+        args = (logits[one], [0], temperature[one], t, lz, q_ids[one], q_weights[one])
+        alone = module.draw(*args, rejected[one], u[one])
+        assert alone == tokens[one]
 
 
 def test_negative_control_a_top_p_one_step_off_is_caught(module):
     gen = torch.Generator().manual_seed(3)
     caught = 0
     for _ in range(20):
-        z, z_max, top_p, log_norm = wide_inputs(gen, 4)
+        logits, temperature, z, z_max, top_p, log_norm = wide_inputs(gen, 4)
         tau, _ = nucleus.nucleus_cuts(z, z_max, top_p, log_norm)
-        got, _ = module.nucleus(z, z_max, top_p * (1 + 1e-4), log_norm)
+        got, _ = module.nucleus(logits, temperature, z_max, top_p * (1 + 1e-4), log_norm)
         caught += not torch.equal(got, tau)
     assert caught >= 15
 
@@ -186,19 +173,17 @@ def test_negative_control_a_draw_from_p_after_a_rejection_is_caught(compiled):
     logits = stress_logits(gen, 4, 8192, "flat")
     params = ProcessorParams.of([SamplingParams(temperature=0.8, top_p=0.95)] * 4)
     processed = process(logits, params)
+    rows = torch.arange(4)
     q_ids = processed.top_ids[:, :32]
     q_weights = torch.full((4, 32), 1000)
-    q_probs = q_weights.double() / q_weights.sum(dim=1, keepdim=True)
-    rejected = torch.ones(4, dtype=torch.bool)
-    dense = processed.dense(torch.arange(4))
+    dense = processed.dense(rows)
+    rejected, no = torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.bool)
     mismatches = 0
     for _ in range(50):
         u = torch.rand(4, generator=gen, dtype=torch.float64)
-        wrong = drawn(
-            compiled, logits, processed, q_ids, q_probs, torch.zeros(4, dtype=torch.bool), u
-        )
+        wrong = drawn(compiled, processed, rows, q_ids, q_weights, no, u)
         want = draw_next(dense, dense_q(q_ids, q_weights, 8192), rejected, u)
-        mismatches += int((wrong != want).sum())
+        mismatches += sum(a != b for a, b in zip(wrong, want.tolist()))
     assert mismatches > 50
 
 
@@ -235,9 +220,9 @@ def test_negative_control_redrawing_from_p_after_a_rejection_fails(module, monke
         def __getattr__(self, name):
             return getattr(module, name)
 
-        def draw(self, logits, temperature, tau, log_z, q_ids, q_probs, rejected, u):
-            none = torch.zeros_like(rejected)
-            return module.draw(logits, temperature, tau, log_z, q_ids, q_probs, none, u)
+        def draw(self, *args):
+            *rest, rejected, u = args
+            return module.draw(*rest, [False] * len(rejected), u)
 
     monkeypatch.setattr(row_kernel, "_chosen", [FromP()])
     first, _, target, params = first_round(None)

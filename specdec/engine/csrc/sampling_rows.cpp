@@ -6,11 +6,13 @@
 // are sequential float64 sums in vocabulary (or rank) order.
 
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -19,9 +21,23 @@ namespace {
 constexpr int64_t BINS_PER_NAT = 16;  // as nucleus.py: 16 bins a nat, 1024 bins
 constexpr int64_t BINS = 1024;
 
-// exp of the first n values of buf, in place, through ATen (vectorised, one dispatch)
-void exp_inplace(double* buf, int64_t n) {
-  if (n > 0) torch::from_blob(buf, {n}, torch::kFloat64).exp_();
+// exp of the first n values of x in place, through ATen (vectorised, one dispatch), where
+// keep[i] and the result is a normal number; 0 elsewhere (exp(−inf) = 0, and subnormal results
+// are below anything a sum or a draw here can tell from 0). Neither −inf nor a subnormal result
+// reaches ATen's exp: both take its slow path (~7× and ~180× a normal value's cost).
+template <typename T>
+void masked_exp(T* x, std::vector<uint8_t>& keep, int64_t n) {
+  constexpr T low = std::is_same_v<T, double> ? T(-708) : T(-87);
+  // branch-free (a flat row keeps about half its tokens at random: branches would mispredict)
+  for (int64_t i = 0; i < n; ++i) {
+    const bool k = (keep[i] != 0) & (x[i] >= low);
+    keep[i] = k;
+    x[i] = k ? x[i] : T(0);
+  }
+  if (n > 0)
+    torch::from_blob(x, {n}, std::is_same_v<T, double> ? torch::kFloat64 : torch::kFloat32)
+        .exp_();
+  for (int64_t i = 0; i < n; ++i) x[i] = keep[i] ? x[i] : T(0);
 }
 
 // torch's `.long()` of a float then `.clamp(0, BINS - 1)`: values past int64 (inf, NaN) convert
@@ -39,13 +55,15 @@ int64_t bin_of(float depth) {
 // over bins of z locates the bin where the cumulative mass reaches top_p; only that bin's
 // values are ordered to find the exact cut.
 void nucleus_row(const float* z, int64_t vocab, float z_max, double top_p, double log_norm,
-                 std::vector<int16_t>& depth, std::vector<double>& p, float* tau_out,
+                 std::vector<int16_t>& depth, std::vector<double>& p,
+                 std::vector<uint8_t>& keep, float* tau_out,
                  double* log_z_out) {
   for (int64_t i = 0; i < vocab; ++i) {
     depth[i] = static_cast<int16_t>(bin_of((z_max - z[i]) * static_cast<float>(BINS_PER_NAT)));
     p[i] = static_cast<double>(z[i]) - log_norm;
+    keep[i] = 1;
   }
-  exp_inplace(p.data(), vocab);
+  masked_exp(p.data(), keep, vocab);
   double mass[BINS] = {0.0}, cum[BINS];
   for (int64_t i = 0; i < vocab; ++i) mass[depth[i]] += p[i];
   double running = 0.0;
@@ -70,7 +88,8 @@ void nucleus_row(const float* z, int64_t vocab, float z_max, double top_p, doubl
   const int64_t count = static_cast<int64_t>(inside.size());
   std::vector<double> p_in(count);
   for (int64_t j = 0; j < count; ++j) p_in[j] = static_cast<double>(inside[j]) - log_norm;
-  exp_inplace(p_in.data(), count);
+  std::vector<uint8_t> keep_in(count, 1);
+  masked_exp(p_in.data(), keep_in, count);
   int64_t n = 0;
   running = 0.0;
   for (int64_t j = 0; j < count; ++j) {  // mass strictly above each rank, as the tensor path
@@ -101,82 +120,101 @@ torch::Tensor per_row(const torch::Tensor& x, int64_t rows, torch::ScalarType ty
 
 }  // namespace
 
-// z [U, vocab] float32 (logits / T), z_max [U] float32, top_p [U] float64, log_norm [U]
-// float64 (each row's log-mass) -> (τ [U] float32, log Z [U] float64)
-std::vector<torch::Tensor> nucleus(torch::Tensor z, torch::Tensor z_max, torch::Tensor top_p,
+// logits [U, vocab] float32, temperature, z_max [U] float32 (z = logits / T, z_max each row's
+// largest z), top_p [U] float64, log_norm [U] float64 (each row's log-mass) -> (τ [U] float32,
+// log Z [U] float64)
+std::vector<torch::Tensor> nucleus(torch::Tensor logits, torch::Tensor temperature,
+                                   torch::Tensor z_max, torch::Tensor top_p,
                                    torch::Tensor log_norm) {
-  z = float_rows(z, "z");
-  const int64_t rows = z.size(0), vocab = z.size(1);
+  logits = float_rows(logits, "logits");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  auto temp = per_row(temperature, rows, torch::kFloat32, "temperature");
   auto zm = per_row(z_max, rows, torch::kFloat32, "z_max");
   auto tp = per_row(top_p, rows, torch::kFloat64, "top_p");
   auto ln = per_row(log_norm, rows, torch::kFloat64, "log_norm");
-  auto tau = torch::empty({rows}, z.options());
-  auto log_z = torch::empty({rows}, z.options().dtype(torch::kFloat64));
+  auto tau = torch::empty({rows}, logits.options());
+  auto log_z = torch::empty({rows}, logits.options().dtype(torch::kFloat64));
+  std::vector<float> z(vocab);
   std::vector<int16_t> depth(vocab);
   std::vector<double> p(vocab);
-  for (int64_t r = 0; r < rows; ++r)
-    nucleus_row(z.data_ptr<float>() + r * vocab, vocab, zm.data_ptr<float>()[r],
-                tp.data_ptr<double>()[r], ln.data_ptr<double>()[r], depth, p,
-                tau.data_ptr<float>() + r, log_z.data_ptr<double>() + r);
+  std::vector<uint8_t> keep(vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = logits.data_ptr<float>() + r * vocab;
+    const float t = temp.data_ptr<float>()[r];
+    for (int64_t v = 0; v < vocab; ++v) z[v] = row[v] / t;  // as torch divides: IEEE, exact
+    nucleus_row(z.data(), vocab, zm.data_ptr<float>()[r], tp.data_ptr<double>()[r],
+                ln.data_ptr<double>()[r], depth, p, keep, tau.data_ptr<float>() + r,
+                log_z.data_ptr<double>() + r);
+  }
   return {tau, log_z};
 }
 
 // The recovered token (from the residual max(p − q̃, 0), where `rejected`) or the bonus token
-// (from p) of each row, by inverse CDF in vocabulary order with its uniform u: the dense draw
-// (next_token.py, `draw_next`) without a dense row. p(v) = exp(z_v − log Z) where z_v ≥ τ,
-// z = logits / T in float32; q̃ given as K (id, probability) pairs a row (K may be 0).
-// logits [S, vocab] float32; temperature, tau [S] float32; log_z, u [S] float64; q_ids [S, K]
-// int64; q_probs [S, K] float64; rejected [S] bool -> tokens [S] int64
-torch::Tensor draw(torch::Tensor logits, torch::Tensor temperature, torch::Tensor tau,
-                   torch::Tensor log_z, torch::Tensor q_ids, torch::Tensor q_probs,
-                   torch::Tensor rejected, torch::Tensor u) {
+// (from p) of processed rows, by inverse CDF in vocabulary order with each row's uniform u:
+// the dense draw (next_token.py, `draw_next` over `Processed.dense` and `dense_q`) without a
+// dense row. p(v) = exp(z_v − log Z) where z_v ≥ τ, z = logits / T in float32; q̃ from its
+// integer wire weights, a token's weights summed, then divided by the row's total (`dense_q`).
+// logits [N, vocab] float32 and temperature, tau [N] float32, log_z [N] float64: the
+// processed rows; rows: the S rows drawn from; q_ids, q_weights: S lists (empty: no q̃);
+// rejected, u: S values -> S tokens
+std::vector<int64_t> draw(torch::Tensor logits, const std::vector<int64_t>& rows,
+                          torch::Tensor temperature, torch::Tensor tau, torch::Tensor log_z,
+                          const std::vector<std::vector<int64_t>>& q_ids,
+                          const std::vector<std::vector<double>>& q_weights,
+                          const std::vector<bool>& rejected, const std::vector<double>& u) {
   logits = float_rows(logits, "logits");
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  auto temp = per_row(temperature, rows, torch::kFloat32, "temperature");
-  auto ta = per_row(tau, rows, torch::kFloat32, "tau");
-  auto lz = per_row(log_z, rows, torch::kFloat64, "log_z");
-  auto uu = per_row(u, rows, torch::kFloat64, "u");
-  auto rej = per_row(rejected, rows, torch::kBool, "rejected");
-  auto qi = q_ids.to(torch::kInt64).contiguous();
-  auto qp = q_probs.to(torch::kFloat64).contiguous();
-  const int64_t k = qi.numel() ? qi.size(1) : 0;
-  TORCH_CHECK(k == 0 || (qi.size(0) == rows && qp.sizes() == qi.sizes()),
-              "q_ids and q_probs: [rows, K]");
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  const int64_t count = logits.size(0), vocab = logits.size(1);
+  const int64_t drawn = static_cast<int64_t>(rows.size());
+  auto temp = per_row(temperature, count, torch::kFloat32, "temperature");
+  auto ta = per_row(tau, count, torch::kFloat32, "tau");
+  auto lz = per_row(log_z, count, torch::kFloat64, "log_z");
+  TORCH_CHECK(static_cast<int64_t>(u.size()) == drawn &&
+                  static_cast<int64_t>(rejected.size()) == drawn &&
+                  (q_ids.empty() || static_cast<int64_t>(q_ids.size()) == drawn) &&
+                  q_weights.size() == q_ids.size(),
+              "one u, rejected, q_ids and q_weights a drawn row");
+  std::vector<int64_t> out(drawn);
   std::vector<double> w(vocab);
-  for (int64_t r = 0; r < rows; ++r) {
+  std::vector<uint8_t> keep(vocab);
+  for (int64_t s = 0; s < drawn; ++s) {
+    const int64_t r = rows[s];
+    TORCH_CHECK(r >= 0 && r < count, "rows: out of range");
     const float* row = logits.data_ptr<float>() + r * vocab;
     const float t = temp.data_ptr<float>()[r], cut = ta.data_ptr<float>()[r];
     const double norm = lz.data_ptr<double>()[r];
     for (int64_t v = 0; v < vocab; ++v) {
       const float z = row[v] / t;
-      w[v] = z >= cut ? static_cast<double>(z) - norm : -INFINITY;
+      w[v] = static_cast<double>(z) - norm;
+      keep[v] = z >= cut;
     }
-    exp_inplace(w.data(), vocab);
-    if (k > 0 && rej.data_ptr<bool>()[r]) {  // the residual: p less q̃ at q̃'s tokens
-      std::unordered_map<int64_t, double> q;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t id = qi.data_ptr<int64_t>()[r * k + j];
-        TORCH_CHECK(id >= 0 && id < vocab, "q_ids out of the vocabulary");
-        q[id] += qp.data_ptr<double>()[r * k + j];
+    masked_exp(w.data(), keep, vocab);
+    if (!q_ids.empty() && !q_ids[s].empty() && rejected[s]) {  // the residual
+      const auto& ids = q_ids[s];
+      const auto& weights = q_weights[s];
+      TORCH_CHECK(ids.size() == weights.size(), "q_ids and q_weights: one weight an id");
+      std::unordered_map<int64_t, double> q;  // token -> its weights summed
+      double total_weight = 0.0;
+      for (size_t j = 0; j < ids.size(); ++j) {
+        TORCH_CHECK(ids[j] >= 0 && ids[j] < vocab, "q_ids: out of the vocabulary");
+        q[ids[j]] += weights[j];
+        total_weight += weights[j];
       }
+      total_weight = std::max(total_weight, 1e-300);
       std::vector<std::pair<int64_t, double>> saved;
-      double residual = 0.0;
-      for (const auto& [id, qv] : q) {
+      for (const auto& [id, weight] : q) {
         saved.emplace_back(id, w[id]);
-        w[id] = std::max(w[id] - qv, 0.0);
+        w[id] = std::max(w[id] - weight / total_weight, 0.0);
       }
+      double residual = 0.0;
       for (int64_t v = 0; v < vocab; ++v) residual += w[v];
       if (!(residual > 0.0))  // no residual mass: reachable by rounding only; p instead
         for (const auto& [id, pv] : saved) w[id] = pv;
     }
     double total = 0.0;
-    int64_t last_positive = 0;
-    for (int64_t v = 0; v < vocab; ++v) {
-      total += w[v];
-      if (w[v] > 0.0) last_positive = v;
-    }
-    const double target = uu.data_ptr<double>()[r] * total;
+    for (int64_t v = 0; v < vocab; ++v) total += w[v];
+    int64_t last_positive = vocab - 1;
+    while (last_positive > 0 && !(w[last_positive] > 0.0)) --last_positive;
+    const double target = u[s] * total;
     double cdf = 0.0;
     int64_t index = vocab;
     for (int64_t v = 0; v < vocab; ++v) {  // searchsorted(cdf, target, right=True)
@@ -186,7 +224,7 @@ torch::Tensor draw(torch::Tensor logits, torch::Tensor temperature, torch::Tenso
         break;
       }
     }
-    out.data_ptr<int64_t>()[r] = std::min(index, last_positive);
+    out[s] = std::min(index, last_positive);
   }
   return out;
 }
@@ -205,20 +243,24 @@ torch::Tensor lse(torch::Tensor logits, torch::Tensor temperature, torch::Tensor
   auto sc = per_row(scaled, rows, torch::kBool, "scaled");
   auto out = torch::empty({rows}, logits.options().dtype(torch::kFloat64));
   std::vector<float> e(vocab);
-  auto buffer = torch::from_blob(e.data(), {vocab}, torch::kFloat32);
+  std::vector<uint8_t> keep(vocab);
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = logits.data_ptr<float>() + r * vocab;
     const float t = temp.data_ptr<float>()[r], cut = ta.data_ptr<float>()[r];
     const float top = zm.data_ptr<float>()[r], inverse = 1.0f / t;
     if (sc.data_ptr<bool>()[r]) {
-      for (int64_t v = 0; v < vocab; ++v) e[v] = row[v] * inverse - top;
+      for (int64_t v = 0; v < vocab; ++v) {
+        e[v] = row[v] * inverse - top;
+        keep[v] = 1;
+      }
     } else {
       for (int64_t v = 0; v < vocab; ++v) {
         const float z = row[v] / t;
-        e[v] = z >= cut ? z - top : -INFINITY;
+        e[v] = z - top;
+        keep[v] = z >= cut;
       }
     }
-    buffer.exp_();
+    masked_exp(e.data(), keep, vocab);
     double sum = 0.0;
     for (int64_t v = 0; v < vocab; ++v) sum += e[v];
     out.data_ptr<double>()[r] = std::log(sum) + static_cast<double>(top);
