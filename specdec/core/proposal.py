@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.core import row_kernel
 from specdec.core.few_rows import few_rows
 from specdec.core.params import SamplingParams
 from specdec.core.processed import WINDOW, ProcessorParams, process
@@ -74,12 +75,22 @@ def propose_step(
     if not sampled:
         return Proposal(tokens=first_argmax(logits), dist_ids=None, dist_weights=None)
     k = min(wire_top_k, vocab)
-    pp = ProcessorParams.of([params[b] for b in sampled], device=device)
     rows = logits if len(sampled) == batch else logits[sampled]  # no copy when all rows sample
     idx, done = None, None
     if graphs is not None:
+        pp = ProcessorParams.of([params[b] for b in sampled], device=device)
         idx = torch.tensor(sampled, device=device)
         done = graphs.propose(rows, pp, seeds.to(device)[idx], positions.to(device)[idx], k)
+    kernel = row_kernel.for_device(device) if done is None else None
+    if kernel is not None:  # each row's step in one call (`specdec.core.row_kernel`)
+        done = _kernel_step(
+            kernel, rows, [params[b] for b in sampled], sampled, seeds, positions, k
+        )
+        if len(sampled) == batch:
+            return Proposal(*done)
+        idx = torch.tensor(sampled, device=device)
+    elif done is None:
+        pp = ProcessorParams.of([params[b] for b in sampled], device=device)
     if done is not None:
         chosen, ids, weights = done
     else:
@@ -102,6 +113,17 @@ def propose_step(
     dist_weights = torch.zeros(batch, k, dtype=torch.int64, device=device)
     dist_ids[idx], dist_weights[idx], tokens[idx] = ids, weights, chosen
     return Proposal(tokens=tokens, dist_ids=dist_ids, dist_weights=dist_weights)
+
+
+def _kernel_step(kernel, rows, params, sampled, seeds, positions, k):
+    """The compiled kernel's draft step of the sampled rows: (candidates, q̃ ids, weights)."""
+    seeds, positions = seeds.tolist(), positions.tolist()
+    u = [uniform_scalar(seeds[b], positions[b], Stream.DRAFT) for b in sampled]
+    temperature, top_k, top_p, min_p = zip(
+        *((p.temperature, p.top_k, p.top_p, p.min_p) for p in params)
+    )
+    rows = rows if rows.dtype == torch.float32 else rows.float()  # as `process` takes them
+    return kernel.draft(rows, temperature, top_k, top_p, min_p, k, u)
 
 
 def _draw_few(logits, processed, sampled, seeds, positions, k) -> Proposal:

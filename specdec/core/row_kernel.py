@@ -1,16 +1,23 @@
-"""The compiled sampling math of rows whose kept set runs past the top window, on a CPU.
+"""The compiled sampling math of a CPU's sampling rows, one call for all of them, row by row.
 
-A row whose top-p nucleus is larger than the window (a flat row: a weak model's, or any
-model's where it hesitates) is finished by a histogram of its mass (`specdec.core.nucleus`)
-and its next token is drawn from chunk masses (`specdec.core.next_token`): a few passes over
-the row, which the tensor path dispatches as ~40 small torch ops each. On a CPU at one session
-that dispatch, not the arithmetic, is most of a sampling round's math (~0.9 ms of a γ = 0
-verify of a flat 8k row, on this project's test machine). `csrc/sampling_rows.cpp` does each
-row's passes in one call: the same histogram and cut for τ and log Z, and the draw as the
-dense reference draws it (inverse CDF in vocabulary order over float64 p, or the residual
-max(p − q̃, 0)), exactly, without the chunk approximation. Each row is computed alone, so a
-row's result does not depend on the rows beside it: the small-batch path and the batched path
-agree on a CPU with it as without it.
+At one session on a CPU a round's sampling math is a few hundred small torch ops — each
+costing more in dispatch than in arithmetic — and most of them go to flat rows (a weak
+model's, or any model's where it hesitates), whose top-p nucleus is larger than the top
+window: their cut from a histogram of the row's mass (`specdec.core.nucleus`), their
+whole-row log-sums (`specdec.core.logsum`) and their next token's draw from chunk masses
+(`specdec.core.next_token`) take a few passes over the row each. `csrc/sampling_rows.cpp`
+does each row's passes in one call:
+- `nucleus`: the same histogram and cut for τ and log Z (τ bit for bit the torch path's);
+- `lse`: whole-row log-sums, float32 exps added in float64 in vocabulary order;
+- `draw`: the recovered or bonus token as the dense reference draws it (inverse CDF in
+  vocabulary order over float64 p, or the residual max(p − q̃, 0)), exactly, without the
+  chunk approximation;
+- `draft`: a draft step's q̃ and candidate (`specdec.core.proposal.propose_step`): the
+  window, the processors' cut, the integer weights and the draw, as the torch path computes
+  them (tokens of equal z in the window ordered by id: torch's topk orders ties as it likes).
+Each row is computed alone, so a row's result does not depend on the rows beside it: the
+small-batch path and the batched path agree on a CPU with it as without it. Lossless either
+way: the target verifies against the q̃ the draft sent, and p is cut and drawn from exactly.
 
 `--sampling-kernel` (both workers) chooses: auto (the compiled kernel where it builds, once
 per machine like the attention and linear kernels, `specdec.engine.compiled`; else torch's

@@ -53,10 +53,10 @@ class WorkerSettings(SecurityFlags):
     )
     sampling_kernel: str = opt(
         "auto",
-        "the sampling math of rows whose kept set runs past the top window (a top-p nucleus "
-        "of more than 64 tokens), on a CPU: auto (a compiled C++ kernel, each row's passes in "
-        "one call, built once per machine, where it builds; else torch's ops) | compiled "
-        "(that, or fail) | torch",
+        "the sampling math on a CPU (the draft's step; the target's rows whose kept set runs "
+        "past the top window, a top-p nucleus of more than 64 tokens): auto (a compiled C++ "
+        "kernel, each row's passes in one call, built once per machine, where it builds; else "
+        "torch's ops) | compiled (that, or fail) | torch",
         ["auto", "compiled", "torch"],
     )
     sampling_graphs: str = opt(

@@ -242,6 +242,8 @@ def test_the_draft_step_makes_no_whole_row_pass_for_temperature_alone(monkeypatc
     """At temperature alone every token is kept, so a whole-row log Z would take a pass over
     the row; the draft's q̃ needs only τ and the window, so it takes none, and its candidates
     and q̃ are those of a step that computes log Z, bit for bit."""
+    monkeypatch.setattr(row_kernel, "_chosen", [None])  # torch's path (the kernel sums no row
+    # without top-p: its draft step reads the window only)
     logits = logits_of("peaked", rows, 20_000, seed=5)
     params = [SamplingParams(temperature=0.9)] * rows
     args = (logits, params, seed_tensor(range(rows)), torch.arange(rows) + 3, 32, [False] * rows)

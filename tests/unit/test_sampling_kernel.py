@@ -1,13 +1,14 @@
 """The compiled sampling kernel (`specdec.core.row_kernel`, `csrc/sampling_rows.cpp`): the
 rows past the window get the torch path's τ bit for bit and its log Z to rounding, their next
 token is the dense reference's draw (`draw_next` over dense float64 rows), whole-row log-sums
-agree with `full_lse` within its float32 rounding, and a row's result does not depend on the
+agree with `full_lse` within its float32 rounding, the draft's step gives the torch path's
+candidates and q̃ up to the order of tied tokens, and a row's result does not depend on the
 rows beside it — on the stress set of tests/unit/test_small_batch_math.py (flat rows with
-nuclei of thousands, ties, plateaus, 8k and 49k vocabularies). Through the eager hot path the
-first token and the bonus token of γ = 1 rounds follow Hugging Face's warpers (chi-square),
-and redrawing from p after a rejection fails the same test. `--sampling-kernel` chooses it;
-the toolchain is part of the set-up (`make tools`), so these tests build the kernel and fail,
-not skip, where it cannot be built."""
+nuclei of thousands, ties, plateaus, top-k past the window, min-p, 8k and 49k vocabularies).
+Through the eager hot path the first token and the bonus token of γ = 1 rounds follow Hugging
+Face's warpers (chi-square), and redrawing from p after a rejection fails the same test.
+`--sampling-kernel` chooses it; the toolchain is part of the set-up (`make tools`), so these
+tests build the kernel and fail, not skip, where it cannot be built."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ import random
 import pytest
 import torch
 from test_fixed_math import first_round, hf_probs, pvalue
-from test_small_batch_math import stress_logits
+from test_small_batch_math import draft_round, stress_logits
 
 from specdec.core import logsum, nucleus, row_kernel
 from specdec.core.next_token import draw_next
 from specdec.core.params import SamplingParams
 from specdec.core.processed import ProcessorParams, process
-from specdec.core.proposal import dense_q
+from specdec.core.proposal import dense_q, propose_step
 
 KINDS = ("flat", "flat", "ties", "plateau", "peaked")
 
@@ -185,6 +186,73 @@ def test_negative_control_a_draw_from_p_after_a_rejection_is_caught(compiled):
         want = draw_next(dense, dense_q(q_ids, q_weights, 8192), rejected, u)
         mismatches += sum(a != b for a, b in zip(wrong, want.tolist()))
     assert mismatches > 50
+
+
+# --- the draft's step ----------------------------------------------------------------------
+
+
+def differing_up_to_ties(got, reference, logits, params, token_only) -> int:
+    """Rows of two `propose_step` results that differ in anything but the order of tokens of
+    equal z: q̃'s weights, the z of its ids rank by rank, the candidate's z (torch's topk
+    orders tied values as it likes; the kernel puts lower ids first)."""
+    differ = 0
+    for r, p in enumerate(params):
+        if token_only[r]:
+            differ += int(got.tokens[r] != reference.tokens[r])
+            continue
+        z = logits[r] / p.temperature
+        same = torch.equal(got.dist_weights[r], reference.dist_weights[r])
+        same &= torch.equal(z[got.dist_ids[r]], z[reference.dist_ids[r]])
+        differ += int(not (same and bool(z[got.tokens[r]] == z[reference.tokens[r]])))
+    return differ
+
+
+def draft_rounds(module, monkeypatch, calls: int, kernel=None) -> tuple[int, int]:
+    """(rows, rows differing up to tie order) of `propose_step` through the kernel (or
+    `kernel`, standing in for it) against its torch path, on the stress set's draft rounds."""
+    rng, gen = random.Random(2), torch.Generator().manual_seed(2)
+    rows = differ = 0
+    for call in range(calls):
+        args = draft_round(rng, gen, call)
+        monkeypatch.setattr(row_kernel, "_chosen", [kernel or module])
+        got = propose_step(*args)
+        monkeypatch.setattr(row_kernel, "_chosen", [None])
+        reference = propose_step(*args)
+        logits, params, *_, token_only = args
+        rows += len(params)
+        differ += differing_up_to_ties(got, reference, logits, params, token_only)
+    return rows, differ
+
+
+def test_draft_steps_are_the_torch_paths_up_to_tie_order(module, monkeypatch):
+    """Candidates and q̃ (ids, integer weights) of 1–8 rows, token-only rows mixed in, top-k
+    around and past the window, nuclei inside and past it, min-p, ties, 8k and 49k."""
+    rows, differ = draft_rounds(module, monkeypatch, 900)
+    assert rows >= 3_500 and differ == 0
+
+
+def test_negative_control_a_draft_top_p_one_step_off_is_caught(module, monkeypatch):
+    class Shifted:  # the kernel with every top-p a little larger
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def draft(self, rows, temperature, top_k, top_p, *rest):
+            return module.draft(rows, temperature, top_k, [p * 1.01 for p in top_p], *rest)
+
+    _, differ = draft_rounds(module, monkeypatch, 200, Shifted())
+    assert differ > 10
+
+
+def test_a_draft_row_alone_is_the_row_in_a_batch(module):
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.cat([stress_logits(gen, 2, 8192, kind) for kind in ("flat", "peaked", "ties")])
+    params = ([0.8, 1.0, 0.3, 1.7, 0.9, 1.2], [0, 0, 5, 100, 0, 64])
+    params += ([0.95, 1.0, 0.9, 0.999, 0.5, 0.9], [0.0, 0.05, 0.0, 0.0, 0.2, 0.0])
+    u = torch.rand(6, generator=gen, dtype=torch.float64).tolist()
+    together = module.draft(logits, *params, 32, u)
+    for r in range(6):
+        alone = module.draft(logits[r : r + 1], *([x[r]] for x in params), 32, [u[r]])
+        assert all(torch.equal(a[0], b[r]) for a, b in zip(alone, together))
 
 
 # --- lossless through the eager hot path with the kernel -------------------------------------

@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -268,7 +269,131 @@ torch::Tensor lse(torch::Tensor logits, torch::Tensor temperature, torch::Tensor
   return out;
 }
 
+// A draft step's q̃ and candidate for each sampled row (proposal.py, `propose_step`): the
+// processed distribution's kept set {z ≥ τ} (temperature, top-k, top-p on the top-k
+// renormalised distribution, min-p, as processed.py cuts them from a window of the W largest
+// z, W = max(64, K)), q̃ = its K largest tokens with integer weights round(65535 · exp(z − z_max))
+// (half to even), and the candidate drawn from q̃ by inverse CDF in rank order with the row's
+// uniform u. logits [S, vocab] float32; temperature, top_k, top_p, min_p, u: S values each (the
+// temperature rounded to float32); k: q̃'s entries -> (tokens [S], ids [S, k], weights [S, k])
+std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>& temperature,
+                                 const std::vector<int64_t>& top_k,
+                                 const std::vector<double>& top_p,
+                                 const std::vector<double>& min_p, int64_t k,
+                                 const std::vector<double>& u) {
+  logits = float_rows(logits, "logits");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const auto n = static_cast<size_t>(rows);
+  TORCH_CHECK(temperature.size() == n && top_k.size() == n && top_p.size() == n &&
+                  min_p.size() == n && u.size() == n,
+              "temperature, top_k, top_p, min_p, u: one a row");
+  TORCH_CHECK(k >= 1 && k <= vocab, "k: 1 to the vocabulary");
+  const int64_t width = std::min<int64_t>(vocab, std::max<int64_t>(64, k));
+  auto tokens = torch::empty({rows}, torch::kInt64);
+  auto ids = torch::empty({rows, k}, torch::kInt64);
+  auto weights = torch::empty({rows, k}, torch::kInt64);
+  std::vector<float> z(vocab), scratch;
+  std::vector<int64_t> top(width);
+  std::vector<double> mass(width);
+  std::vector<uint8_t> keep(vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = logits.data_ptr<float>() + r * vocab;
+    const float t = static_cast<float>(temperature[r]);  // as torch.tensor(float32) rounds it
+    for (int64_t v = 0; v < vocab; ++v) z[v] = row[v] / t;
+    // the window: the W largest z, descending (ties: lower id first)
+    auto before = [&](int64_t a, int64_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
+    int64_t filled = 0;
+    for (int64_t v = 0; v < vocab; ++v) {  // a min-heap of the W best so far
+      if (filled < width) {
+        top[filled++] = v;
+        std::push_heap(top.begin(), top.begin() + filled, before);
+      } else if (before(v, top[0])) {
+        std::pop_heap(top.begin(), top.end(), before);
+        top[width - 1] = v;
+        std::push_heap(top.begin(), top.end(), before);
+      }
+    }
+    std::sort_heap(top.begin(), top.end(), before);
+    const float z_max = z[top[0]];
+    const int64_t kk = top_k[r];
+    float tau_k = -INFINITY;
+    if (kk > 0 && kk < vocab) {
+      if (kk <= width) {
+        tau_k = z[top[kk - 1]];
+      } else {  // the k-th largest past the window
+        scratch.assign(z.begin(), z.end());
+        std::nth_element(scratch.begin(), scratch.begin() + (kk - 1), scratch.end(),
+                         std::greater<float>());
+        tau_k = scratch[kk - 1];
+      }
+    }
+    float tau = tau_k;
+    const double p_cut = top_p[r];
+    if (p_cut < 1.0) {  // top-p on the top-k renormalised distribution
+      double log_k;
+      if (width < vocab && z[top[width - 1]] >= tau_k) {  // the top-k set runs past the window
+        scratch.resize(vocab);
+        if (tau_k == -INFINITY) {  // logsum.py's scaled sum: z = logits · (1 / T)
+          const float inverse = 1.0f / t;
+          for (int64_t v = 0; v < vocab; ++v) {
+            scratch[v] = row[v] * inverse - z_max;
+            keep[v] = 1;
+          }
+        } else {
+          for (int64_t v = 0; v < vocab; ++v) {
+            scratch[v] = z[v] - z_max;
+            keep[v] = z[v] >= tau_k;
+          }
+        }
+        masked_exp(scratch.data(), keep, vocab);
+        double sum = 0.0;
+        for (int64_t v = 0; v < vocab; ++v) sum += scratch[v];
+        log_k = std::log(sum) + static_cast<double>(z_max);
+      } else {  // from the window, in float64
+        double sum = 0.0;
+        for (int64_t j = 0; j < width; ++j)
+          if (z[top[j]] >= tau_k) sum += std::exp(static_cast<double>(z[top[j]]) - z_max);
+        log_k = std::log(sum) + static_cast<double>(z_max);
+      }
+      double cum = 0.0;
+      int64_t kept = 0;
+      for (int64_t j = 0; j < width; ++j) {  // mass strictly above each rank
+        const double m = std::exp(static_cast<double>(z[top[j]]) - log_k);
+        cum += m;
+        kept += (cum - m < p_cut) & (z[top[j]] >= tau_k);
+      }
+      tau = std::max(tau, z[top[std::max<int64_t>(kept, 1) - 1]]);
+    }
+    const double m_cut = min_p[r];
+    if (m_cut > 0.0)
+      tau = std::max(tau, static_cast<float>(z_max + std::log(std::max(m_cut, 1e-300))));
+    // q̃: the K largest, integer weights; the candidate by inverse CDF over them
+    int64_t* row_ids = ids.data_ptr<int64_t>() + r * k;
+    int64_t* row_weights = weights.data_ptr<int64_t>() + r * k;
+    double total = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      const float zj = z[top[j]];
+      row_ids[j] = top[j];
+      row_weights[j] = zj >= tau ? static_cast<int64_t>(std::nearbyint(
+                                       std::exp(static_cast<double>(zj) - z_max) * 65535.0))
+                                 : 0;
+      total += static_cast<double>(row_weights[j]);
+    }
+    const double target = u[r] * total;
+    int64_t index = k, last_positive = 0;
+    double cdf = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      cdf += static_cast<double>(row_weights[j]);
+      if (index == k && cdf > target) index = j;
+      if (row_weights[j] > 0) last_positive = j;
+    }
+    tokens.data_ptr<int64_t>()[r] = row_ids[std::min(index, last_positive)];
+  }
+  return {tokens, ids, weights};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("draft", &draft, "a draft step's q̃ and candidates of sampled rows");
   m.def("lse", &lse, "log-sums of whole rows over their kept sets");
   m.def("nucleus", &nucleus, "top-p cuts of rows whose nucleus is past the window");
   m.def("draw", &draw, "inverse-CDF draws of rows whose kept set is past the window");
