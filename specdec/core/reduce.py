@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.core import row_kernel
+
 CHUNK = 1024  # values per chunk: the in-chunk pass touches one chunk per row
 
 
@@ -28,8 +30,12 @@ def chunked(x: torch.Tensor, reduce, size: int) -> torch.Tensor:
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)`: the index of the first maximum of each row (NaN-free rows)."""
+    """`x.argmax(dim=-1)`: the index of the first maximum of each row (NaN-free rows). On a
+    CPU the compiled kernel's scan where it is in use (`specdec.core.row_kernel`): one call."""
     vocab = x.shape[-1]
+    kernel = row_kernel.for_device(x.device) if x.dtype == torch.float32 else None
+    if kernel is not None and x.numel():
+        return kernel.argmax(x.reshape(-1, vocab)).reshape(x.shape[:-1])
     if x.device.type != "cpu" or vocab < 4 * CHUNK or x.numel() == 0:
         return x.argmax(dim=-1)
     rows = x.reshape(-1, vocab)

@@ -14,7 +14,8 @@ does each row's passes in one call:
   chunk approximation;
 - `draft`: a draft step's q̃ and candidate (`specdec.core.proposal.propose_step`): the
   window, the processors' cut, the integer weights and the draw, as the torch path computes
-  them (tokens of equal z in the window ordered by id: torch's topk orders ties as it likes).
+  them (tokens of equal z in the window ordered by id: torch's topk orders ties as it likes);
+- `argmax`: greedy's first maximum of a row (`specdec.core.reduce.first_argmax`), one scan.
 Each row is computed alone, so a row's result does not depend on the rows beside it: the
 small-batch path and the batched path agree on a CPU with it as without it. Lossless either
 way: the target verifies against the q̃ the draft sent, and p is cut and drawn from exactly.

@@ -1,11 +1,30 @@
-"""first_argmax is torch.argmax, index for index, at every vocabulary shape and on ties."""
+"""first_argmax is torch.argmax, index for index, at every vocabulary shape and on ties — by
+torch's chunked ops and by the compiled sampling kernel's scan (`specdec.core.row_kernel`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from specdec.core import row_kernel
 from specdec.core.reduce import CHUNK, chunked, first_argmax
+
+
+@pytest.fixture(autouse=True, params=["compiled", "torch"])
+def sampling_kernel(request, monkeypatch):
+    module = None
+    if request.param == "compiled":
+        module = row_kernel.EXTENSION.get()
+        assert not isinstance(module, str), module
+    monkeypatch.setattr(row_kernel, "_chosen", [module])
+    return module
+
+
+def test_a_row_holding_nan_takes_its_first_nan_as_torch_does():
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1))
+    x[0, [17, 4000]] = float("nan")
+    x[1, 0] = float("nan")
+    assert torch.equal(first_argmax(x), x.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("vocab", [7, 4 * CHUNK, 8192, 49_152, 128_256, 4 * CHUNK + 1])

@@ -392,7 +392,29 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
   return {tokens, ids, weights};
 }
 
+// `torch.argmax` of each row of x [R, vocab] float32 (the first maximum; a row holding NaN: its
+// first NaN, as torch's) -> [R] int64: greedy's candidate and verification (reduce.py)
+torch::Tensor argmax(torch::Tensor x) {
+  x = float_rows(x, "x");
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  auto out = torch::empty({rows}, torch::kInt64);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x.data_ptr<float>() + r * vocab;
+    int64_t best = 0;
+    float value = vocab ? row[0] : 0.0f;
+    for (int64_t v = 1; v < vocab && !std::isnan(value); ++v) {
+      if (row[v] > value || std::isnan(row[v])) {
+        value = row[v];
+        best = v;
+      }
+    }
+    out.data_ptr<int64_t>()[r] = best;
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax", &argmax, "the first maximum of each row");
   m.def("draft", &draft, "a draft step's q̃ and candidates of sampled rows");
   m.def("lse", &lse, "log-sums of whole rows over their kept sets");
   m.def("nucleus", &nucleus, "top-p cuts of rows whose nucleus is past the window");
