@@ -10,12 +10,16 @@ does each row's passes in one call:
 - `nucleus`: the same histogram and cut for τ and log Z (τ bit for bit the torch path's);
 - `lse`: whole-row log-sums, float32 exps added in float64 in vocabulary order;
 - `draw`: the recovered or bonus token as the dense reference draws it (inverse CDF in
-  vocabulary order over float64 p, or the residual max(p − q̃, 0)), exactly, without the
-  chunk approximation;
+  vocabulary order over float64 p, or the residual max(p − q̃, 0)), unless u · Σp falls
+  within float64 rounding (~1e-16) of a 512-value block's boundary (the torch path: float32
+  rounding of a chunk's mass, ~1e-7);
 - `draft`: a draft step's q̃ and candidate (`specdec.core.proposal.propose_step`): the
   window, the processors' cut, the integer weights and the draw, as the torch path computes
   them (tokens of equal z in the window ordered by id: torch's topk orders ties as it likes);
-- `argmax`: greedy's first maximum of a row (`specdec.core.reduce.first_argmax`), one scan.
+- `argmax`: greedy's first maximum of a row (`specdec.core.reduce.first_argmax`): one
+  vectorised pass over blocks' maxima, then the first block holding the maximum.
+Exps are ATen's own, one call a row; none is asked for exp(−inf) or a subnormal result, which
+take its slow path (~7× and ~180× a value's cost here).
 Each row is computed alone, so a row's result does not depend on the rows beside it: the
 small-batch path and the batched path agree on a CPU with it as without it. Lossless either
 way: the target verifies against the q̃ the draft sent, and p is cut and drawn from exactly.

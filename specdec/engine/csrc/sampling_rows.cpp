@@ -21,6 +21,8 @@ namespace {
 
 constexpr int64_t BINS_PER_NAT = 16;  // as nucleus.py: 16 bins a nat, 1024 bins
 constexpr int64_t BINS = 1024;
+constexpr int64_t DRAW_BLOCK = 512;  // values a block of `draw`'s inverse CDF
+constexpr int64_t ARGMAX_BLOCK = 1024;  // values a block of `argmax`'s pass
 
 // exp of the first n values of x in place, through ATen (vectorised, one dispatch), where
 // keep[i] and the result is a normal number; 0 elsewhere (exp(−inf) = 0, and subnormal results
@@ -105,6 +107,25 @@ void nucleus_row(const float* z, int64_t vocab, float z_max, double top_p, doubl
   *log_z_out = log_norm + std::log(above + kept);
 }
 
+// exp of the first n float32 values of x in place, each first raised to EXP_FLOOR (what must count
+// 0 is set to it by the caller): exp(−80) ≈ 1.8e−35 a value adds less than 1e−29 relative to a
+// sum of whole-row masses, which hold exp(0) = 1 (their maximum), while neither −inf nor a
+// subnormal result (below −87) reaches ATen's slow path. One pass, no mask.
+constexpr float EXP_FLOOR = -80.0f;
+void floor_exp(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] > EXP_FLOOR ? x[i] : EXP_FLOOR;
+  if (n > 0) torch::from_blob(x, {n}, torch::kFloat32).exp_();
+}
+
+// Σ x in float64, in whatever order vectorises (a whole row's mass: exact to ~1e-16 relative)
+template <typename T>
+double vector_sum(const T* x, int64_t n) {
+  double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]);
+  return sum;
+}
+
 // rows [R, vocab] as a contiguous float32 CPU tensor
 torch::Tensor float_rows(torch::Tensor x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), name,
@@ -153,7 +174,8 @@ std::vector<torch::Tensor> nucleus(torch::Tensor logits, torch::Tensor temperatu
 // The recovered token (from the residual max(p − q̃, 0), where `rejected`) or the bonus token
 // (from p) of processed rows, by inverse CDF in vocabulary order with each row's uniform u:
 // the dense draw (next_token.py, `draw_next` over `Processed.dense` and `dense_q`) without a
-// dense row. p(v) = exp(z_v − log Z) where z_v ≥ τ, z = logits / T in float32; q̃ from its
+// dense row, unless u · Σp falls within float64 rounding of a 512-value block's boundary.
+// p(v) = exp(z_v − log Z) where z_v ≥ τ, z = logits / T in float32; q̃ from its
 // integer wire weights, a token's weights summed, then divided by the row's total (`dense_q`).
 // logits [N, vocab] float32 and temperature, tau [N] float32, log_z [N] float64: the
 // processed rows; rows: the S rows drawn from; q_ids, q_weights: S lists (empty: no q̃);
@@ -175,7 +197,7 @@ std::vector<int64_t> draw(torch::Tensor logits, const std::vector<int64_t>& rows
                   q_weights.size() == q_ids.size(),
               "one u, rejected, q_ids and q_weights a drawn row");
   std::vector<int64_t> out(drawn);
-  std::vector<double> w(vocab);
+  std::vector<double> w(vocab), block((vocab + DRAW_BLOCK - 1) / DRAW_BLOCK);
   std::vector<uint8_t> keep(vocab);
   for (int64_t s = 0; s < drawn; ++s) {
     const int64_t r = rows[s];
@@ -206,19 +228,25 @@ std::vector<int64_t> draw(torch::Tensor logits, const std::vector<int64_t>& rows
         saved.emplace_back(id, w[id]);
         w[id] = std::max(w[id] - weight / total_weight, 0.0);
       }
-      double residual = 0.0;
-      for (int64_t v = 0; v < vocab; ++v) residual += w[v];
-      if (!(residual > 0.0))  // no residual mass: reachable by rounding only; p instead
+      if (!(vector_sum(w.data(), vocab) > 0.0))  // no residual mass: reachable by rounding only; p instead
         for (const auto& [id, pv] : saved) w[id] = pv;
     }
+    // inverse CDF in two levels: the blocks' masses (vectorised), added in order to find the
+    // block where u · total falls, then that block's values added in order from its start
     double total = 0.0;
-    for (int64_t v = 0; v < vocab; ++v) total += w[v];
+    for (int64_t b = 0; b * DRAW_BLOCK < vocab; ++b) {
+      const int64_t start = b * DRAW_BLOCK, len = std::min(DRAW_BLOCK, vocab - start);
+      block[b] = vector_sum(w.data() + start, len);
+      total += block[b];
+    }
     int64_t last_positive = vocab - 1;
     while (last_positive > 0 && !(w[last_positive] > 0.0)) --last_positive;
     const double target = u[s] * total;
     double cdf = 0.0;
+    int64_t b = 0;
+    while (b * DRAW_BLOCK < vocab && !(cdf + block[b] > target)) cdf += block[b++];
     int64_t index = vocab;
-    for (int64_t v = 0; v < vocab; ++v) {  // searchsorted(cdf, target, right=True)
+    for (int64_t v = b * DRAW_BLOCK; v < vocab; ++v) {  // searchsorted(cdf, target, right=True)
       cdf += w[v];
       if (cdf > target) {
         index = v;
@@ -244,27 +272,20 @@ torch::Tensor lse(torch::Tensor logits, torch::Tensor temperature, torch::Tensor
   auto sc = per_row(scaled, rows, torch::kBool, "scaled");
   auto out = torch::empty({rows}, logits.options().dtype(torch::kFloat64));
   std::vector<float> e(vocab);
-  std::vector<uint8_t> keep(vocab);
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = logits.data_ptr<float>() + r * vocab;
     const float t = temp.data_ptr<float>()[r], cut = ta.data_ptr<float>()[r];
     const float top = zm.data_ptr<float>()[r], inverse = 1.0f / t;
     if (sc.data_ptr<bool>()[r]) {
-      for (int64_t v = 0; v < vocab; ++v) {
-        e[v] = row[v] * inverse - top;
-        keep[v] = 1;
-      }
+      for (int64_t v = 0; v < vocab; ++v) e[v] = row[v] * inverse - top;
     } else {
       for (int64_t v = 0; v < vocab; ++v) {
         const float z = row[v] / t;
-        e[v] = z - top;
-        keep[v] = z >= cut;
+        e[v] = z >= cut ? z - top : EXP_FLOOR;
       }
     }
-    masked_exp(e.data(), keep, vocab);
-    double sum = 0.0;
-    for (int64_t v = 0; v < vocab; ++v) sum += e[v];
-    out.data_ptr<double>()[r] = std::log(sum) + static_cast<double>(top);
+    floor_exp(e.data(), vocab);
+    out.data_ptr<double>()[r] = std::log(vector_sum(e.data(), vocab)) + static_cast<double>(top);
   }
   return out;
 }
@@ -295,7 +316,6 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
   std::vector<float> z(vocab), scratch;
   std::vector<int64_t> top(width);
   std::vector<double> mass(width);
-  std::vector<uint8_t> keep(vocab);
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = logits.data_ptr<float>() + r * vocab;
     const float t = static_cast<float>(temperature[r]);  // as torch.tensor(float32) rounds it
@@ -335,20 +355,12 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
         scratch.resize(vocab);
         if (tau_k == -INFINITY) {  // logsum.py's scaled sum: z = logits · (1 / T)
           const float inverse = 1.0f / t;
-          for (int64_t v = 0; v < vocab; ++v) {
-            scratch[v] = row[v] * inverse - z_max;
-            keep[v] = 1;
-          }
+          for (int64_t v = 0; v < vocab; ++v) scratch[v] = row[v] * inverse - z_max;
         } else {
-          for (int64_t v = 0; v < vocab; ++v) {
-            scratch[v] = z[v] - z_max;
-            keep[v] = z[v] >= tau_k;
-          }
+          for (int64_t v = 0; v < vocab; ++v) scratch[v] = z[v] >= tau_k ? z[v] - z_max : EXP_FLOOR;
         }
-        masked_exp(scratch.data(), keep, vocab);
-        double sum = 0.0;
-        for (int64_t v = 0; v < vocab; ++v) sum += scratch[v];
-        log_k = std::log(sum) + static_cast<double>(z_max);
+        floor_exp(scratch.data(), vocab);
+        log_k = std::log(vector_sum(scratch.data(), vocab)) + static_cast<double>(z_max);
       } else {  // from the window, in float64
         double sum = 0.0;
         for (int64_t j = 0; j < width; ++j)
@@ -400,14 +412,28 @@ torch::Tensor argmax(torch::Tensor x) {
   auto out = torch::empty({rows}, torch::kInt64);
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x.data_ptr<float>() + r * vocab;
-    int64_t best = 0;
-    float value = vocab ? row[0] : 0.0f;
-    for (int64_t v = 1; v < vocab && !std::isnan(value); ++v) {
-      if (row[v] > value || std::isnan(row[v])) {
-        value = row[v];
-        best = v;
+    // blocks' maxima (and whether they hold a NaN) in one vectorised pass, then the first
+    // block holding the row's maximum (its first NaN) is scanned for its first occurrence
+    int64_t block = -1;
+    float top = -INFINITY;
+    bool nan = false;
+    for (int64_t start = 0; start < vocab && !nan; start += ARGMAX_BLOCK) {
+      const int64_t end = std::min(vocab, start + ARGMAX_BLOCK);
+      float m = -INFINITY;
+      int has_nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : has_nan)
+      for (int64_t v = start; v < end; ++v) {
+        m = row[v] > m ? row[v] : m;
+        has_nan |= row[v] != row[v];
+      }
+      if (has_nan || block < 0 || m > top) {
+        top = m;
+        block = start;
+        nan = has_nan;
       }
     }
+    int64_t best = std::max<int64_t>(block, 0);
+    while (best < vocab - 1 && !(nan ? std::isnan(row[best]) : row[best] == top)) ++best;
     out.data_ptr<int64_t>()[r] = best;
   }
   return out;
