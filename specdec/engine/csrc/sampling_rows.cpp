@@ -1,9 +1,11 @@
-// The sampling math of rows whose kept set runs past the top window, one row at a time on a
-// CPU (specdec/core/nucleus.py, specdec/core/next_token.py): a row's few passes over its
-// vocabulary in one call, instead of the ~40 small torch ops each pass of the tensor path
-// dispatches. Every row is computed alone, so its result does not depend on the rows beside
-// it. Exps are ATen's own (one vectorised call a row, on a buffer of the row's length); sums
-// are sequential float64 sums in vocabulary (or rank) order.
+// The sampling math of a CPU's rows, one call for a batch of rows and each row computed alone
+// (specdec/core/row_kernel.py): the cut of a top-p nucleus past the top window (nucleus.py),
+// whole-row log-sums (logsum.py), the draw of the recovered or bonus token (next_token.py), a
+// draft step's q̃ and candidate (proposal.py) and greedy's argmax (reduce.py) — a row's few
+// passes over its vocabulary instead of the dozens of small torch ops each pass dispatches.
+// A row's result does not depend on the rows beside it. Exps are ATen's own (one vectorised call
+// a row, on a buffer of the row's length); sums that decide a cut or a draw are sequential in
+// vocabulary (or rank) order where the tensor path's are, vectorised elsewhere.
 
 #include <torch/extension.h>
 #include <pybind11/stl.h>
