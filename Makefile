@@ -38,7 +38,7 @@ tools:
 	  $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends g++ ninja-build; }
 
-# the workers' C++ kernels (attention, linear), compiled once per machine (without a compiler they use torch's)
+# the C++ kernels (attention, linear, sampling), compiled once per machine (without a compiler: torch's ops)
 kernels: proto
 	$(PY) -m specdec.engine.compiled
 

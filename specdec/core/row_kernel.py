@@ -5,7 +5,7 @@ costing more in dispatch than in arithmetic — and most of them go to flat rows
 model's, or any model's where it hesitates), whose top-p nucleus is larger than the top
 window: their cut from a histogram of the row's mass (`specdec.core.nucleus`), their
 whole-row log-sums (`specdec.core.logsum`) and their next token's draw from chunk masses
-(`specdec.core.next_token`) take a few passes over the row each. `csrc/sampling_rows.cpp`
+(`specdec.core.next_token`) take a few passes over the row each. `specdec/core/csrc/sampling_rows.cpp`
 does each row's passes in one call:
 - `nucleus`: the same histogram and cut for τ and log Z (τ bit for bit the torch path's);
 - `lse`: whole-row log-sums, float32 exps added in float64 in vocabulary order;
@@ -25,7 +25,7 @@ small-batch path and the batched path agree on a CPU with it as without it. Loss
 way: the target verifies against the q̃ the draft sent, and p is cut and drawn from exactly.
 
 `--sampling-kernel` (both workers) chooses: auto (the compiled kernel where it builds, once
-per machine like the attention and linear kernels, `specdec.engine.compiled`; else torch's
+per machine like the attention and linear kernels, `specdec.core.compiled`; else torch's
 ops) | compiled (that, or fail) | torch. Without a worker's choice (a library caller, the
 benchmarks) the first use resolves auto. CUDA rows and the fixed shapes of the sampling graphs
 (`specdec.core.fixed`) always take torch's ops.
@@ -33,15 +33,20 @@ benchmarks) the first use resolves auto. CUDA rows and the fixed shapes of the s
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 
-from specdec.engine.compiled import Extension
+from specdec.core.compiled import Extension
 
 KERNELS = ("auto", "compiled", "torch")
 EXTENSION = Extension(
-    "specdec_sampling", "sampling_rows.cpp", "the compiled sampling kernel", "torch's ops"
+    "specdec_sampling",
+    "sampling_rows.cpp",
+    "the compiled sampling kernel",
+    "torch's ops",
+    directory=os.path.join(os.path.dirname(__file__), "csrc"),
 )
 
 _lock = threading.Lock()

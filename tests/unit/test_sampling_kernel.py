@@ -1,4 +1,4 @@
-"""The compiled sampling kernel (`specdec.core.row_kernel`, `csrc/sampling_rows.cpp`): the
+"""The compiled sampling kernel (`specdec.core.row_kernel`, `specdec/core/csrc/sampling_rows.cpp`): the
 rows past the window get the torch path's τ bit for bit and its log Z to rounding, their next
 token is the dense reference's draw (`draw_next` over dense float64 rows), whole-row log-sums
 agree with `full_lse` within its float32 rounding, the draft's step gives the torch path's
@@ -318,7 +318,7 @@ def test_without_a_toolchain_auto_uses_torch_and_compiled_says_why(monkeypatch, 
     monkeypatch.setattr(row_kernel.EXTENSION, "_loaded", {})
     monkeypatch.setattr(row_kernel.EXTENSION, "build", no_compiler)
     monkeypatch.setattr(row_kernel, "_chosen", [])
-    with caplog.at_level(logging.WARNING, "specdec.engine.compiled"):
+    with caplog.at_level(logging.WARNING, "specdec.core.compiled"):
         assert row_kernel.for_device(torch.device("cpu")) is None  # first use: auto
         assert row_kernel.select("auto") is False
     assert "compiled sampling kernel unavailable, torch's ops instead" in caplog.text
