@@ -64,7 +64,7 @@ def full_lse(logits, temperature, tau, z_max, scaled: bool = False) -> torch.Ten
     computed from is always summed over z divided by T, as `prob` computes z.
 
     On a CPU the compiled kernel sums each row where it is in use (`specdec.core.row_kernel`):
-    the same choices, exps in float32 added in float64 in vocabulary order."""
+    the same choices, exps in float32 added in float64 (vectorised, in no fixed order)."""
     kernel = row_kernel.for_device(logits.device)
     if kernel is not None and logits.shape[-1] > WIDE:
         count = logits.shape[0]

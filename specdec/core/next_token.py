@@ -124,7 +124,8 @@ def sample_next_few(processed, rows, q_ids, q_weights, rejected, u) -> list[int]
 
 def kernel_draw(kernel, processed, rows, q_ids, q_weights, rejected, u) -> list[int]:
     """The compiled kernel's draws (`specdec.core.row_kernel`) of processed rows, every
-    argument a list (q_ids, q_weights: [S][K], or [] without q̃): the dense draw itself."""
+    argument a list (q_ids, q_weights: [S][K], or [] without q̃): the dense draw, up to float64
+    rounding where u · Σp meets a block's boundary."""
     p = processed
     logits = p.logits if p.logits.dtype == torch.float32 else p.logits.float()
     return kernel.draw(logits, rows, p.temperature, p.tau, p.log_z, q_ids, q_weights, rejected, u)
@@ -174,8 +175,8 @@ def window_draw(processed, rows, q_ids, q_weights, rejected, u, fixed=False) -> 
 
 def _sample_chunks(processed, rows, q_ids, q_weights, rejected, u) -> torch.Tensor:
     """`sample_next` for rows whose kept set runs past the window (see there). On a CPU the
-    compiled kernel draws them where it is in use (`specdec.core.row_kernel`): the dense
-    draw itself, row by row."""
+    compiled kernel draws them where it is in use (`specdec.core.row_kernel`, `kernel_draw`),
+    row by row."""
     kernel = row_kernel.for_device(rows.device)
     if kernel is not None:
         lists = [[] if x is None else x.tolist() for x in (q_ids, q_weights)]

@@ -76,24 +76,22 @@ def propose_step(
         return Proposal(tokens=first_argmax(logits), dist_ids=None, dist_weights=None)
     k = min(wire_top_k, vocab)
     rows = logits if len(sampled) == batch else logits[sampled]  # no copy when all rows sample
-    idx, done = None, None
+    row_params = [params[b] for b in sampled]
+    idx, done, pp = None, None, None
     if graphs is not None:
-        pp = ProcessorParams.of([params[b] for b in sampled], device=device)
+        pp = ProcessorParams.of(row_params, device=device)
         idx = torch.tensor(sampled, device=device)
         done = graphs.propose(rows, pp, seeds.to(device)[idx], positions.to(device)[idx], k)
     kernel = row_kernel.for_device(device) if done is None else None
     if kernel is not None:  # each row's step in one call (`specdec.core.row_kernel`)
-        done = _kernel_step(
-            kernel, rows, [params[b] for b in sampled], sampled, seeds, positions, k
-        )
+        done = _kernel_step(kernel, rows, row_params, sampled, seeds, positions, k)
         if len(sampled) == batch:
             return Proposal(*done)
         idx = torch.tensor(sampled, device=device)
-    elif done is None:
-        pp = ProcessorParams.of([params[b] for b in sampled], device=device)
     if done is not None:
         chosen, ids, weights = done
     else:
+        pp = ProcessorParams.of(row_params, device=device) if pp is None else pp
         processed = process(rows, pp, window=max(WINDOW, k), window_only=True)
         if few_rows(len(sampled), device):
             return _draw_few(logits, processed, sampled, seeds, positions, k)

@@ -5,10 +5,10 @@ costing more in dispatch than in arithmetic — and most of them go to flat rows
 model's, or any model's where it hesitates), whose top-p nucleus is larger than the top
 window: their cut from a histogram of the row's mass (`specdec.core.nucleus`), their
 whole-row log-sums (`specdec.core.logsum`) and their next token's draw from chunk masses
-(`specdec.core.next_token`) take a few passes over the row each. `specdec/core/csrc/sampling_rows.cpp`
-does each row's passes in one call:
+(`specdec.core.next_token`) take a few passes over the row each.
+`specdec/core/csrc/sampling_rows.cpp` does each row's passes in one call:
 - `nucleus`: the same histogram and cut for τ and log Z (τ bit for bit the torch path's);
-- `lse`: whole-row log-sums, float32 exps added in float64 in vocabulary order;
+- `lse`: whole-row log-sums, float32 exps added in float64 (vectorised);
 - `draw`: the recovered or bonus token as the dense reference draws it (inverse CDF in
   vocabulary order over float64 p, or the residual max(p − q̃, 0)), unless u · Σp falls
   within float64 rounding (~1e-16) of a 512-value block's boundary (the torch path: float32
