@@ -170,6 +170,7 @@ def measure_batch_costs(job: dict) -> dict:
             linear_kernel=job["linear_kernel"],
             batch_attention=os.environ.get("SPECDEC_BATCH_ATTENTION", "auto"),
             attention_kernel=os.environ.get("SPECDEC_ATTENTION_KERNEL", "auto"),
+            model_forward=os.environ.get("SPECDEC_MODEL_FORWARD", "auto"),
         )
         return ModelRuntime(settings)
 

@@ -51,6 +51,7 @@ def build(settings: DraftSettings):
                 settings.linear_kernel,
                 settings.batch_attention,
                 settings.attention_kernel,
+                settings.model_forward,
             )
         )
         proposer = ModelProposer(

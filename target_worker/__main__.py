@@ -47,6 +47,7 @@ def build(settings: TargetSettings):
             settings.linear_kernel,
             settings.batch_attention,
             settings.attention_kernel,
+            settings.model_forward,
         )
     )
     engine = TargetEngine(runtime, settings.sampling_graphs, settings.sampling_graphs_mb)

@@ -57,6 +57,33 @@ def _save(model, tokenizer, directory: str) -> str:
     return directory
 
 
+# the shape of the tiny models of other architectures (tests of attention and forward paths)
+ARCHITECTURE_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def save_architecture(config_class: str, extra: dict, tokenizer, directory: str) -> str:
+    """A tiny random model of `transformers.<config_class>` (ARCHITECTURE_SHAPE + `extra`,
+    seed 0) saved with `tokenizer` to `directory`."""
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer), **ARCHITECTURE_SHAPE, **extra
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    return _save(model, tokenizer, directory)
+
+
 def llama(vocab: int, layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(

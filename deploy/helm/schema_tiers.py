@@ -124,6 +124,7 @@ def worker_config(role: str) -> dict[str, Schema]:
         "linearKernel": string(["auto", "compiled", "packed", "default"], nullable=True),
         "batchAttention": string(["auto", "sessions", "padded"], nullable=True),
         "attentionKernel": string(["auto", "compiled", "torch"], nullable=True),
+        "modelForward": string(["auto", "lean", "hf"], nullable=True),
         "samplingKernel": string(["auto", "compiled", "torch"], nullable=True),
         "samplingGraphs": string(["auto", "on", "off"], nullable=True),
         "samplingGraphsMb": integer(1, nullable=True),

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache
 
-from specdec.engine import session_attention
+from specdec.engine import lean_forward, session_attention
 from specdec.engine.batch_kv import BATCH_KV_HEADROOM, BatchKV, BufferLayer
 from specdec.engine.kernels import LINEAR_LABELS, kernel_of, pack_linears
 from specdec.engine.kv import KVSession
@@ -46,6 +46,7 @@ class RuntimeSettings:
     linear_kernel: str = "auto"  # auto | compiled | packed | default (specdec.engine.kernels)
     batch_attention: str = "auto"  # auto | sessions | padded (specdec.engine.session_attention)
     attention_kernel: str = "auto"  # auto | compiled | torch (specdec.engine.attention_kernel)
+    model_forward: str = "auto"  # auto | lean | hf (specdec.engine.lean_forward)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -100,9 +101,11 @@ class ModelRuntime:
         # session's buffers) when attention reads the sessions' own buffers; None: padded
         self._kv_like: list[torch.Tensor] | None = None
         self._attention_kernel = None  # the compiled kernel's module, when it attends
+        self._lean: lean_forward.LeanForward | None = None  # the model's layers called directly
         session_attention.install(self, settings.batch_attention, settings.attention_kernel)
+        lean_forward.install(self, settings.model_forward)
         log.info(
-            "model %s: batched attention %s",
+            "model %s: batched attention %s%s",
             self.model_name,
             (
                 "over each session's own KV"
@@ -110,6 +113,7 @@ class ModelRuntime:
             )
             if self.session_attention
             else "over a padded batch copy",
+            "; the lean forward" if self._lean is not None else "",
         )
 
     @property
@@ -162,13 +166,15 @@ class ModelRuntime:
             state, written = {"use_cache": False, "specdec_rows": rows}, True
         else:
             state, reused, written = self._padded_state(sessions, cached, lengths)
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=positions.to(self.device),
-            logits_to_keep=kept.to(self.device) if isinstance(kept, torch.Tensor) else kept,
-            **state,
-        )
-        logits = out.logits.float()  # [B, max_new or keep, vocab]
+        input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+        kept = kept.to(self.device) if isinstance(kept, torch.Tensor) else kept
+        if self._lean is not None and "specdec_rows" in state:
+            logits = self._lean(input_ids, positions, kept, state["specdec_rows"])
+        else:
+            logits = self.model(
+                input_ids=input_ids, position_ids=positions, logits_to_keep=kept, **state
+            ).logits
+        logits = logits.float()  # [B, max_new or keep, vocab]
         cache = state.get("past_key_values")
         start_col = reused.width if reused is not None else 0
         for i, session in enumerate(sessions):

@@ -228,7 +228,7 @@ def _unfit(model, mode: str) -> str | None:
     return None
 
 
-def _check_inputs(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+def check_inputs(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
     """Two sessions of different cached lengths, then blocks of different lengths."""
     gen = torch.Generator().manual_seed(0)
     draw = lambda n: torch.randint(1, vocab, (n,), generator=gen).tolist()  # noqa: E731
@@ -239,7 +239,7 @@ def _check_inputs(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
 def _reference(runtime) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The model's own attention, one sequence at a time: the logits of the check's blocks,
     and the KV shapes of its cache (the templates of the sessions' buffers)."""
-    histories, blocks = _check_inputs(runtime.vocab_size)
+    histories, blocks = check_inputs(runtime.vocab_size)
     reference, like = [], None
     for history, block in zip(histories, blocks):
         ids = torch.tensor([history + block], device=runtime.device)
@@ -253,7 +253,7 @@ def _reference(runtime) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def _disagrees(runtime, reference: list[torch.Tensor]) -> str | None:
     """Run the check's sessions through `runtime.forward` (a batched prefill of different
     lengths, then a batched step of different lengths); why it differs from the reference."""
-    histories, blocks = _check_inputs(runtime.vocab_size)
+    histories, blocks = check_inputs(runtime.vocab_size)
     sessions = [KVSession(f"check-{i}") for i in range(len(histories))]
     try:
         for session, history in zip(sessions, histories):

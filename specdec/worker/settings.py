@@ -51,6 +51,14 @@ class WorkerSettings(SecurityFlags):
         "session) | compiled (that, or fail) | torch",
         ["auto", "compiled", "torch"],
     )
+    model_forward: str = opt(
+        "auto",
+        "who runs the model's forward over the sessions' own KV: auto (its modules called "
+        "directly, without Hugging Face's per-call wrappers and causal mask, for Llama, "
+        "Mistral, Qwen2 and Qwen3 models whose logits equal the model's own forward's on a "
+        "check at load; else Hugging Face's forward) | lean (that, or fail) | hf",
+        ["auto", "lean", "hf"],
+    )
     sampling_kernel: str = opt(
         "auto",
         "the sampling math on a CPU (the draft's step; the target's rows whose kept set runs "

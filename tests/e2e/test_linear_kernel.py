@@ -1,10 +1,13 @@
-"""`--linear-kernel`, `--batch-attention` and `--attention-kernel` on a real worker process:
+"""`--linear-kernel`, `--batch-attention`, `--attention-kernel` and `--model-forward` on a real
+worker process:
 auto runs a float32 CPU model's linears on the compiled streamed kernel and says so, `packed` on
 oneDNN; `packed` or `compiled` on a model that cannot run them (bfloat16) refuses to start,
 naming the flag. Auto attends over each session's own KV where the
 model qualifies (also in bfloat16) and says so, short blocks by the compiled kernel in float32,
 keeps the padded batch where it does not qualify and says why; `sessions` on such a model, and
-`--attention-kernel compiled` in bfloat16, refuse to start, naming the flag."""
+`--attention-kernel compiled` in bfloat16, refuse to start, naming the flag. Auto runs the
+lean forward where attention reads the sessions' own KV, `hf` does not, and `lean` over the
+padded batch refuses to start, naming the flag."""
 
 from __future__ import annotations
 
@@ -113,6 +116,23 @@ def test_auto_attends_short_blocks_with_the_compiled_kernel(model_dirs, default_
     )  # fmt: skip
     assert code not in (None, 0), log
     assert "attention_kernel: compiled needs float32 attention" in log
+    assert "Traceback" not in log
+
+
+def test_auto_runs_the_lean_forward_and_hf_the_models_own(model_dirs, default_worker):
+    code, log = default_worker
+    assert code is None, log
+    assert "; the lean forward" in log
+    code, log = run_worker(model_dirs["target"], "--device", "cpu", "--model-forward", "hf")
+    assert code is None, log
+    assert "batched attention over each session's own KV" in log
+    assert "lean forward" not in log
+    code, log = run_worker(
+        model_dirs["target"], "--device", "cpu", "--batch-attention", "padded",
+        "--model-forward", "lean",
+    )  # fmt: skip
+    assert code not in (None, 0), log
+    assert "model_forward: lean does not fit this model" in log
     assert "Traceback" not in log
 
 

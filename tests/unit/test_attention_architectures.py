@@ -7,24 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-from tiny_models import build_tokenizer, fresh_logits
+from tiny_models import build_tokenizer, fresh_logits, save_architecture
 
 from specdec.engine.kv import KVSession
 from specdec.engine.model import ModelRuntime, RuntimeSettings
 
 ATOL = 1e-4
-SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-)
 # name: (config class, extra config, whether attention over the sessions' own KV applies)
 ARCHITECTURES = {
     "qwen2": ("Qwen2Config", {}, True),
@@ -45,11 +33,7 @@ def tokenizer(tmp_path_factory):
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_batched_forward_equals_a_fresh_forward(name, tokenizer, tmp_path):
     config_class, extra, qualifies = ARCHITECTURES[name]
-    config = getattr(transformers, config_class)(vocab_size=len(tokenizer), **SHAPE, **extra)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    save_architecture(config_class, extra, tokenizer, str(tmp_path))
     runtime = ModelRuntime(RuntimeSettings(str(tmp_path), device="cpu", threads=1))
     assert runtime.session_attention is qualifies
 

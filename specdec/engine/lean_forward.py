@@ -1,0 +1,142 @@
+"""A decoder's forward pass without Hugging Face's per-call wrappers (`--model-forward`).
+
+A call of a `transformers` causal LM runs, around the model's own layers, a stack of
+decorators (`can_return_tuple`, `merge_with_config_defaults`, `capture_outputs`, the
+gradient-checkpointing layer wrapper), builds a causal mask — after scanning the position ids
+for packed sequences — and wraps each result in a `ModelOutput` dataclass. The attention over
+each session's own KV (`session_attention`) needs no mask, and none of the rest does anything
+in inference: on the code pair's one-layer draft that was a quarter of a step (1.09 → 0.82 ms
+in-process, one thread) and 0.7 ms of the target's 16-layer step (docs/benchmarks.md).
+
+`LeanForward` calls the same modules in the same order with the same arguments — embedding,
+the model's rotary embedding, per layer input norm → the model's own attention module (q/k/v
+projections, rotary, `session_attention`, output projection) → residual → post-attention norm
+→ the model's own MLP → residual, final norm, `slice_logits_to_keep`, LM head — so its logits
+are the model's bit for bit. It is used only where that is known and checked:
+- the model is one of `FAMILIES` (decoder layers read from their source in the pinned
+  `transformers`: pre-norm residual blocks, nothing between the layers but the rotary
+  embedding; a family with another block — Gemma's extra norms and scaled embedding, GPT-2 —
+  keeps Hugging Face's forward);
+- its attention reads each session's own KV (the padded batch copy needs the model's cache
+  object and mask);
+- no forward hooks on the model, its base model or its layers (they would be skipped);
+- and at load, `runtime.forward` over the check's sessions (a batched prefill of different
+  lengths, then blocks of different lengths, with and without `keep`) gives logits EQUAL
+  (`torch.equal`) to the same calls through the model's own forward.
+`auto` uses it where all of this holds and logs why not elsewhere; `lean` fails to start
+instead; `hf` never uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers.modeling_utils import slice_logits_to_keep
+
+from specdec.engine.kv import KVSession
+from specdec.engine.session_attention import check_inputs
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "lean", "hf")
+# causal LM classes whose base model and decoder layers this forward reproduces (transformers
+# 5.x source: LlamaModel / LlamaDecoderLayer and their copies)
+FAMILIES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+
+
+class LeanForward:
+    """The model's logits for a pass of session rows, calling its modules directly."""
+
+    def __init__(self, model) -> None:
+        base = model.model
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.layers = [
+            (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
+            for layer in base.layers[: model.config.num_hidden_layers]
+        ]
+        self.norm = base.norm
+        self.head = model.lm_head
+
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep, rows
+    ) -> torch.Tensor:
+        """Logits [B, kept positions, head] — what `model(...).logits` returns for the same
+        `input_ids`, `position_ids`, `logits_to_keep` and `specdec_rows=rows`."""
+        hidden = self.embed(input_ids)
+        position = self.rotary(hidden, position_ids)
+        for input_norm, attention, post_norm, mlp in self.layers:
+            update, _ = attention(
+                hidden_states=input_norm(hidden),
+                position_embeddings=position,
+                attention_mask=None,
+                specdec_rows=rows,
+            )
+            hidden = hidden + update
+            hidden = hidden + mlp(post_norm(hidden))
+        hidden = self.norm(hidden)
+        return self.head(slice_logits_to_keep(hidden, logits_to_keep))
+
+
+def install(runtime, mode: str) -> None:
+    """Set `runtime._lean` to a `LeanForward` where `mode` asks for it and the model
+    qualifies (see the module docstring), else None; `lean` that does not qualify raises
+    ValueError naming the flag."""
+    if mode not in MODES:
+        raise ValueError(f"model_forward: expected one of {list(MODES)}, got {mode!r}")
+    runtime._lean = None
+    if mode == "hf":
+        return
+    reason = _unfit(runtime)
+    if reason is None:
+        reason = _disagrees(runtime, LeanForward(runtime.model))
+    if reason is None:
+        runtime._lean = LeanForward(runtime.model)
+        return
+    if mode == "lean":
+        raise ValueError(f"model_forward: lean does not fit this model: {reason}")
+    log.info("model %s: Hugging Face's forward (%s)", runtime.model_name, reason)
+
+
+def _unfit(runtime) -> str | None:
+    """Why the lean forward may not stand in for this model's, or None."""
+    model = runtime.model
+    name = type(model).__name__
+    if name not in FAMILIES:
+        return f"{name} is not one of the decoder families it reproduces"
+    if not runtime.session_attention:
+        return "its batches attend over a padded batch copy, which needs the model's cache"
+    modules = [model, model.model, *model.model.layers]
+    if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+        return "the model or a layer has forward hooks"
+    return None
+
+
+@torch.inference_mode()
+def _disagrees(runtime, lean: LeanForward) -> str | None:
+    """Run the check's sessions through `runtime.forward` with the lean forward and with the
+    model's own (a batched prefill of different lengths, then blocks of different lengths
+    keeping 2 positions each, then single steps keeping 1); why the logits are not equal, or
+    None."""
+    histories, blocks = check_inputs(runtime.vocab_size)
+    results = []
+    for use in (None, lean):
+        runtime._lean = use
+        sessions = [KVSession(f"lean-check-{i}") for i in range(len(histories))]
+        try:
+            for session, history in zip(sessions, histories):
+                session.sync(history)
+            prefill = runtime.forward(sessions, [s.pending() for s in sessions])
+            block = runtime.forward(sessions, blocks, keep=2)  # kept per session: a tensor
+            step = runtime.forward(sessions, [[b[0]] for b in blocks], keep=1)  # a count
+        except Exception as error:  # a model this forward cannot run keeps its own
+            return f"the check at load failed ({type(error).__name__}: {error})"
+        finally:
+            runtime._lean = None
+        results.append([*prefill, block, step])
+    if not all(torch.equal(ours, theirs) for ours, theirs in zip(results[1], results[0])):
+        return "the check at load found logits other than the model's own forward's"
+    return None
