@@ -33,12 +33,14 @@ instead; `hf` never uses it.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from transformers.modeling_utils import slice_logits_to_keep
 
+from specdec.engine.kernels import StreamedLinear
 from specdec.engine.kv import KVSession
-from specdec.engine.session_attention import check_inputs
+from specdec.engine.session_attention import check_inputs, session_attention
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +52,68 @@ FAMILIES = frozenset(
 )
 
 
-class LeanForward:
-    """The model's logits for a pass of session rows, calling its modules directly."""
+class Fused:
+    """Linear layers of one input computed in one call of the streamed kernel: their packed
+    weights concatenated once, each layer's own weight then a view of it (no second copy).
+    Each output is one sum over the inputs in order whatever group holds it, so every layer's
+    outputs are the ones its own call gives, bit for bit — what the check at load confirms."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, layers: list[StreamedLinear]) -> None:
+        self.kernel = layers[0].kernel
+        self.sizes = [layer.out_features for layer in layers]
+        self.packed = torch.cat([layer.packed for layer in layers])
+        biases = [layer.bias for layer in layers]
+        self.bias = None if biases[0] is None else torch.cat(biases)
+        start = 0
+        for layer in layers:
+            groups = layer.packed.shape[0]
+            layer.packed = self.packed[start : start + groups]  # a view: one copy of the weights
+            start += groups
+
+    @staticmethod
+    def fits(layers) -> bool:
+        """Streamed layers of one kernel, input width and bias presence, each but the last
+        filling whole groups (its outputs then end where the next layer's begin)."""
+        if not all(isinstance(layer, StreamedLinear) for layer in layers):
+            return False
+        first = layers[0]
+        width = first.packed.shape[2]
+        return (
+            all(layer.kernel is first.kernel for layer in layers)
+            and all(layer.in_features == first.in_features for layer in layers)
+            and all((layer.bias is None) == (first.bias is None) for layer in layers)
+            and all(layer.out_features % width == 0 for layer in layers[:-1])
+        )
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.kernel.linear(x, self.packed, self.bias, sum(self.sizes))
+        return out.split(self.sizes, dim=-1)
+
+
+class LeanForward:
+    """The model's logits for a pass of session rows, calling its modules directly. With
+    `fuse`, a layer's q/k/v projections and its MLP's gate/up projections each run as one
+    call of the streamed kernel where they qualify (`Fused`), the attention module's steps
+    then taken here as the model's source takes them (projections, its q/k norms where it
+    has them, rotary, attention, output projection)."""
+
+    def __init__(self, model, fuse: bool = True) -> None:
         base = model.model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
-        self.layers = [
-            (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
-            for layer in base.layers[: model.config.num_hidden_layers]
-        ]
+        self.layers = []
+        self.fused = 0  # calls saved a pass
+        for layer in base.layers[: model.config.num_hidden_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            gate_up = [mlp.gate_proj, mlp.up_proj]
+            qkv = Fused(qkv) if fuse and Fused.fits(qkv) else None
+            gate_up = Fused(gate_up) if fuse and Fused.fits(gate_up) else None
+            self.fused += 2 * (qkv is not None) + (gate_up is not None)
+            self.layers.append(
+                (layer.input_layernorm, attn, qkv, layer.post_attention_layernorm, mlp, gate_up)
+            )
+        self.rotate = sys.modules[type(base).__module__].apply_rotary_pos_emb
         self.norm = base.norm
         self.head = model.lm_head
 
@@ -71,17 +124,41 @@ class LeanForward:
         `input_ids`, `position_ids`, `logits_to_keep` and `specdec_rows=rows`."""
         hidden = self.embed(input_ids)
         position = self.rotary(hidden, position_ids)
-        for input_norm, attention, post_norm, mlp in self.layers:
-            update, _ = attention(
-                hidden_states=input_norm(hidden),
-                position_embeddings=position,
-                attention_mask=None,
-                specdec_rows=rows,
-            )
+        for input_norm, attention, qkv, post_norm, mlp, gate_up in self.layers:
+            x = input_norm(hidden)
+            if qkv is None:
+                update, _ = attention(
+                    hidden_states=x,
+                    position_embeddings=position,
+                    attention_mask=None,
+                    specdec_rows=rows,
+                )
+            else:
+                update = self._attention(attention, qkv, x, position, rows)
             hidden = hidden + update
-            hidden = hidden + mlp(post_norm(hidden))
+            x = post_norm(hidden)
+            if gate_up is None:
+                hidden = hidden + mlp(x)
+            else:
+                gate, up = gate_up(x)
+                hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
         hidden = self.norm(hidden)
         return self.head(slice_logits_to_keep(hidden, logits_to_keep))
+
+    def _attention(self, attention, qkv: Fused, x, position, rows) -> torch.Tensor:
+        """The attention module's forward (Llama's; Qwen3's with its q/k norms) from one call
+        of the q/k/v projections."""
+        shape = (*x.shape[:-1], -1, attention.head_dim)
+        query, key, value = (y.view(shape) for y in qkv(x))
+        if hasattr(attention, "q_norm"):
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        query, key, value = (y.transpose(1, 2) for y in (query, key, value))
+        cos, sin = position
+        query, key = self.rotate(query, key, cos, sin)
+        out, _ = session_attention(
+            attention, query, key, value, None, scaling=attention.scaling, specdec_rows=rows
+        )
+        return attention.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
 
 
 def install(runtime, mode: str) -> None:
@@ -97,6 +174,10 @@ def install(runtime, mode: str) -> None:
     if reason is None:
         lean = LeanForward(runtime.model)
         reason = _disagrees(runtime, lean)
+        if reason is not None and lean.fused:  # the fused calls differ: the modules' own?
+            log.info("model %s: projections not fused (%s)", runtime.model_name, reason)
+            lean = LeanForward(runtime.model, fuse=False)
+            reason = _disagrees(runtime, lean)
         if reason is None:
             runtime._lean = lean
             return

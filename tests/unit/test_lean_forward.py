@@ -6,7 +6,9 @@ runtime of the same weights on Hugging Face's forward. Where it may not stand in
 architecture, the padded batch copy, forward hooks, `hf`) the runtime keeps the model's own
 forward, and `lean` refuses, naming the flag. Negative control: a model whose decoder layer
 does one thing more than the family's (a residual scaled by 1 + 2⁻²⁰) is caught by the check at
-load — auto keeps Hugging Face's forward, lean fails."""
+load — auto keeps Hugging Face's forward, lean fails. The q/k/v and gate/up projections fused
+into one call of the streamed kernel each give the same logits too; fused calls that swapped
+k for v are caught at load (each module's own projections then run)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,11 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
 }
 GEMMA = ("GemmaConfig", {"head_dim": 16})  # attends over the sessions' own KV, another block
+# heads of 64: k and v fill whole groups of the streamed kernel, so q/k/v fuse into one call
+WIDE = {
+    "llama-wide": ("LlamaConfig", {"head_dim": 64}),
+    "qwen3-wide": ("Qwen3Config", {"head_dim": 64}),
+}
 
 
 def load(model_dir: str, forward: str = "auto", attention: str = "auto") -> ModelRuntime:
@@ -46,7 +53,7 @@ def family_dirs(model_dirs, tmp_path_factory) -> dict[str, str]:
     tokenizer = AutoTokenizer.from_pretrained(model_dirs["target"])
     root = tmp_path_factory.mktemp("families")
     dirs = {"llama": model_dirs["target"]}
-    for name, (config_class, extra) in {**FAMILIES, "gemma": GEMMA}.items():
+    for name, (config_class, extra) in {**FAMILIES, **WIDE, "gemma": GEMMA}.items():
         dirs[name] = save_architecture(config_class, extra, tokenizer, str(root / name))
     return dirs
 
@@ -73,10 +80,17 @@ def passes(runtime: ModelRuntime, seed: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", *FAMILIES])
+@pytest.mark.parametrize("family", ["llama", *FAMILIES, "llama-wide", "qwen3-wide"])
 def test_lean_logits_equal_the_models_own_bit_for_bit(family_dirs, family):
     lean, own = load(family_dirs[family]), load(family_dirs[family], "hf")
     assert lean._lean is not None and own._lean is None
+    # gate/up fuse into one streamed-kernel call; q/k/v where q and k fill whole groups of
+    # its layout (the wide models' heads of 64 always; heads of 16 only on a 256-bit CPU)
+    attention = lean.model.model.layers[0].self_attn
+    width = attention.q_proj.packed.shape[2]
+    qkv = all(p.out_features % width == 0 for p in (attention.q_proj, attention.k_proj))
+    assert qkv or not family.endswith("wide")
+    assert lean._lean.fused == (3 if qkv else 1) * lean.model.config.num_hidden_layers
     ours, theirs = passes(lean, seed=7), passes(own, seed=7)
     assert len(ours) == len(theirs) == 3 + 12 * 3
     for i, (a, b) in enumerate(zip(ours, theirs)):
@@ -124,3 +138,19 @@ def test_the_check_at_load_catches_a_layer_it_does_not_reproduce(model_dirs, mon
     assert load(model_dirs["target"])._lean is None
     with pytest.raises(ValueError, match="lean does not fit this model: the check at load found"):
         load(model_dirs["target"], "lean")
+
+
+def test_the_check_at_load_catches_fused_projections_that_are_wrong(family_dirs, monkeypatch):
+    """Negative control for the fused calls: if they handed k's outputs out as v's, the check
+    at load finds other logits and the lean forward runs each module's own projections."""
+    real = lean_forward.Fused.__call__
+
+    def swapped(self, x):
+        out = real(self, x)
+        return (out[0], out[2], out[1]) if len(out) == 3 else out
+
+    monkeypatch.setattr(lean_forward.Fused, "__call__", swapped)
+    runtime = load(family_dirs["llama-wide"])
+    assert runtime._lean is not None and runtime._lean.fused == 0
+    ours, theirs = passes(runtime, seed=3), passes(load(family_dirs["llama-wide"], "hf"), seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
