@@ -28,6 +28,12 @@ are the model's bit for bit. It is used only where that is known and checked:
   forward.
 `auto` uses it where all of this holds and logs why not elsewhere; `lean` fails to start
 instead; `hf` never uses it.
+
+With the streamed linear kernel (`specdec.engine.kernels`) a layer's q/k/v projections, and its
+MLP's gate/up projections, each run as one call (`Fused`) where all but the last fill whole
+groups of the kernel's layout: at two threads each call is a parallel region to start and
+join, seven a layer become four. The check at load covers them: where the fused logits
+differ, the lean forward runs each module's own projections (and logs why).
 """
 
 from __future__ import annotations
