@@ -109,17 +109,18 @@ class LeanForward:
         self.rotary = base.rotary_emb
         self.layers = []
         self.fused = 0  # calls saved a pass
+        # the family's own rotary step (the fused attention takes the module's steps itself)
+        self.rotate = getattr(sys.modules[type(base).__module__], "apply_rotary_pos_emb", None)
         for layer in base.layers[: model.config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
             gate_up = [mlp.gate_proj, mlp.up_proj]
-            qkv = Fused(qkv) if fuse and Fused.fits(qkv) else None
+            qkv = Fused(qkv) if fuse and self.rotate is not None and Fused.fits(qkv) else None
             gate_up = Fused(gate_up) if fuse and Fused.fits(gate_up) else None
             self.fused += 2 * (qkv is not None) + (gate_up is not None)
             self.layers.append(
                 (layer.input_layernorm, attn, qkv, layer.post_attention_layernorm, mlp, gate_up)
             )
-        self.rotate = sys.modules[type(base).__module__].apply_rotary_pos_emb
         self.norm = base.norm
         self.head = model.lm_head
 
@@ -178,18 +179,25 @@ def install(runtime, mode: str) -> None:
         return
     reason = _unfit(runtime)
     if reason is None:
-        lean = LeanForward(runtime.model)
-        reason = _disagrees(runtime, lean)
-        if reason is not None and lean.fused:  # the fused calls differ: the modules' own?
+        lean, reason = _checked(runtime, fuse=True)
+        if reason is not None and lean is not None and lean.fused:  # the modules' own, then?
             log.info("model %s: projections not fused (%s)", runtime.model_name, reason)
-            lean = LeanForward(runtime.model, fuse=False)
-            reason = _disagrees(runtime, lean)
+            lean, reason = _checked(runtime, fuse=False)
         if reason is None:
             runtime._lean = lean
             return
     if mode == "lean":
         raise ValueError(f"model_forward: lean does not fit this model: {reason}")
     log.info("model %s: Hugging Face's forward (%s)", runtime.model_name, reason)
+
+
+def _checked(runtime, fuse: bool) -> tuple[LeanForward | None, str | None]:
+    """A lean forward of the runtime's model and why it may not stand in (None: it may)."""
+    try:
+        lean = LeanForward(runtime.model, fuse)
+    except (AttributeError, TypeError, ValueError, RuntimeError) as error:  # another layout
+        return None, f"its modules are laid out otherwise ({type(error).__name__}: {error})"
+    return lean, _disagrees(runtime, lean)
 
 
 def _unfit(runtime) -> str | None:

@@ -154,3 +154,16 @@ def test_the_check_at_load_catches_fused_projections_that_are_wrong(family_dirs,
     assert runtime._lean is not None and runtime._lean.fused == 0
     ours, theirs = passes(runtime, seed=3), passes(load(family_dirs["llama-wide"], "hf"), seed=3)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_modules_laid_out_otherwise_keep_the_models_own_forward(model_dirs, monkeypatch):
+    """A model of a claimed class whose modules it cannot find (a variant, a patched model):
+    auto keeps Hugging Face's forward and says why, lean refuses — the worker never crashes."""
+
+    def missing(self, model, fuse=True):
+        raise AttributeError("'LlamaDecoderLayer' object has no attribute 'mlp'")
+
+    monkeypatch.setattr(lean_forward.LeanForward, "__init__", missing)
+    assert load(model_dirs["target"])._lean is None
+    with pytest.raises(ValueError, match="lean does not fit .* laid out otherwise"):
+        load(model_dirs["target"], "lean")
