@@ -193,14 +193,19 @@ def test_a_failover_and_a_takeover_are_spans_of_the_request(faulty, receiver):
     killed: list[str] = []
 
     def moved(trace_id: str) -> bool:
-        """The failover span arrived, and a Propose on the new draft that started after it."""
+        """The failover span arrived, with the round span it belongs to (which ends, and
+        is exported, only after it), and a Propose on the new draft that started after it."""
         spans = receiver.trace(trace_id)
         failovers = [s for s in spans if s.name == "specdec.failover"]
-        return bool(failovers) and any(
-            s.name == "draft/Propose"
-            and s.attributes["worker"] == failovers[0].attributes["to"]
-            and s.start > failovers[0].start
-            for s in spans
+        return (
+            bool(failovers)
+            and any(s.span_id == failovers[0].parent_id for s in spans)
+            and any(
+                s.name == "draft/Propose"
+                and s.attributes["worker"] == failovers[0].attributes["to"]
+                and s.start > failovers[0].start
+                for s in spans
+            )
         )
 
     with Client(addresses, timeout_s=120, backoff_s=0.3) as client:
