@@ -179,10 +179,15 @@ def install(runtime, mode: str) -> None:
         return
     reason = _unfit(runtime)
     if reason is None:
-        lean, reason = _checked(runtime, fuse=True)
+        try:
+            reference = _check_logits(runtime, None)  # the model's own forward, once
+        except Exception as error:  # the check cannot run: the model keeps its own forward
+            reference, reason = None, f"the check at load failed ({type(error).__name__})"
+    if reason is None:
+        lean, reason = _checked(runtime, reference, fuse=True)
         if reason is not None and lean is not None and lean.fused:  # the modules' own, then?
             log.info("model %s: projections not fused (%s)", runtime.model_name, reason)
-            lean, reason = _checked(runtime, fuse=False)
+            lean, reason = _checked(runtime, reference, fuse=False)
         if reason is None:
             runtime._lean = lean
             return
@@ -191,13 +196,20 @@ def install(runtime, mode: str) -> None:
     log.info("model %s: Hugging Face's forward (%s)", runtime.model_name, reason)
 
 
-def _checked(runtime, fuse: bool) -> tuple[LeanForward | None, str | None]:
-    """A lean forward of the runtime's model and why it may not stand in (None: it may)."""
+def _checked(runtime, reference, fuse: bool) -> tuple[LeanForward | None, str | None]:
+    """A lean forward of the runtime's model and why it may not stand in (None: it may):
+    the check's logits through it against `reference`, the model's own."""
     try:
         lean = LeanForward(runtime.model, fuse)
     except (AttributeError, TypeError, ValueError, RuntimeError) as error:  # another layout
         return None, f"its modules are laid out otherwise ({type(error).__name__}: {error})"
-    return lean, _disagrees(runtime, lean)
+    try:
+        ours = _check_logits(runtime, lean)
+    except Exception as error:  # a model this forward cannot run keeps its own
+        return lean, f"the check at load failed ({type(error).__name__}: {error})"
+    if not all(torch.equal(a, b) for a, b in zip(ours, reference)):
+        return lean, "the check at load found logits other than the model's own forward's"
+    return lean, None
 
 
 def _unfit(runtime) -> str | None:
@@ -215,27 +227,19 @@ def _unfit(runtime) -> str | None:
 
 
 @torch.inference_mode()
-def _disagrees(runtime, lean: LeanForward) -> str | None:
-    """Run the check's sessions through `runtime.forward` with the lean forward and with the
-    model's own (a batched prefill of different lengths, then blocks of different lengths
-    keeping 2 positions each, then single steps keeping 1); why the logits are not equal, or
-    None."""
+def _check_logits(runtime, lean: LeanForward | None) -> list[torch.Tensor]:
+    """The check's logits through `runtime.forward` with `lean` (None: the model's own
+    forward): a batched prefill of different lengths, then blocks of different lengths keeping
+    2 positions each, then single steps keeping 1."""
     histories, blocks = check_inputs(runtime.vocab_size)
-    results = []
-    for use in (None, lean):
-        runtime._lean = use
+    runtime._lean = lean
+    try:
         sessions = [KVSession(f"lean-check-{i}") for i in range(len(histories))]
-        try:
-            for session, history in zip(sessions, histories):
-                session.sync(history)
-            prefill = runtime.forward(sessions, [s.pending() for s in sessions])
-            block = runtime.forward(sessions, blocks, keep=2)  # kept per session: a tensor
-            step = runtime.forward(sessions, [[b[0]] for b in blocks], keep=1)  # a count
-        except Exception as error:  # a model this forward cannot run keeps its own
-            return f"the check at load failed ({type(error).__name__}: {error})"
-        finally:
-            runtime._lean = None
-        results.append([*prefill, block, step])
-    if not all(torch.equal(ours, theirs) for ours, theirs in zip(results[1], results[0])):
-        return "the check at load found logits other than the model's own forward's"
-    return None
+        for session, history in zip(sessions, histories):
+            session.sync(history)
+        prefill = runtime.forward(sessions, [s.pending() for s in sessions])
+        block = runtime.forward(sessions, blocks, keep=2)  # kept per session: a tensor
+        step = runtime.forward(sessions, [[b[0]] for b in blocks], keep=1)  # a count
+    finally:
+        runtime._lean = None
+    return [*prefill, block, step]
