@@ -106,6 +106,15 @@ class SessionLinks:
         self.draft_wait_spent = False  # a fixed-γ session waited out a draft outage
         # the digest of the committed prefix so far (it only grows during a run)
         self.prefix = PrefixDigest()
+        # the round's commit still in flight (SessionRun's; the commit runs behind the next
+        # round's calls): it carries this epoch, so an epoch bump waits for it to land
+        self.landing: asyncio.Task | None = None
+
+    async def landed(self) -> None:
+        """Wait for the commit in flight (raises what it raised: LostSession ends the run)."""
+        if self.landing is not None:
+            landing, self.landing = self.landing, None
+            await landing
 
     def link(self, role: str) -> Link:
         return self.draft if role == "draft" else self.target
@@ -202,6 +211,9 @@ class SessionLinks:
             worker.sessions.add(self.session_id)
             if role == "draft":
                 self.draft_wait_spent = False  # the next outage may be waited for again
+        # A commit still in flight compares the current epoch in Redis: bumped first, it would
+        # fail and the run would lose its own session (a takeover to recover it)
+        await self.landed()
         self.epoch = await self.ctx.store.reassign(
             self.session_id,
             self.ctx.owner,

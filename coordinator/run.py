@@ -8,7 +8,7 @@ streams read) only after Redis acknowledged them: commit before stream (invarian
 The commit runs behind: a round's commit and publish go on while the next round proposes and
 verifies from the prefix the workers already hold (`committed`, ahead of `generated` by the
 round in flight), and each commit waits for the one before it (the compare-and-set needs
-it). A lost lease or a CancelSession seen by that commit ends the session before the next
+it), as does a failover's epoch bump (the commit carries the epoch it was made at). A lost lease or a CancelSession seen by that commit ends the session before the next
 round's tokens are committed; that round's work is discarded (workers fence stale epochs).
 """
 
@@ -59,7 +59,6 @@ class SessionRun(DraftsAhead, RecordsRounds):
         self.tail = ""  # text released at the end, after the last token's
         # the prefix the workers hold: `generated` plus the round whose commit is in flight
         self.committed = self.prompt + self.generated
-        self.landing: asyncio.Task | None = None  # the previous round's commit and publish
         self.max_new_tokens = params.max_new_tokens
         self.started = started
         self.stats = Stats.restore(record.stats)
@@ -164,7 +163,7 @@ class SessionRun(DraftsAhead, RecordsRounds):
             self.stop_ahead()
             return outcome
         self.advance(outcome)
-        self.landing = asyncio.create_task(
+        self.links.landing = asyncio.create_task(
             self.commit_and_publish(outcome, self.stats.rounds), context=self.outer.copy()
         )
         if outcome.reason is not None:  # the last round: the session ends once it is published
@@ -179,15 +178,14 @@ class SessionRun(DraftsAhead, RecordsRounds):
         return outcome
 
     async def landed(self) -> None:
-        """Wait for the commit in flight (raises what it raised: LostSession ends the run)."""
-        if self.landing is not None:
-            landing, self.landing = self.landing, None
-            await landing
+        """Wait for the previous round's commit and publish (raises what it raised:
+        LostSession ends the run). A failover's epoch bump waits for it too."""
+        await self.links.landed()
 
     async def settle_landing(self) -> None:
         """At the end of a run: a commit still in flight lands (its tokens were verified), or
         is cancelled with the run (a takeover recomputes them)."""
-        landing, self.landing = self.landing, None
+        landing, self.links.landing = self.links.landing, None
         if landing is None:
             return
         if isinstance(self.error, asyncio.CancelledError):

@@ -222,3 +222,46 @@ def test_a_worker_refusing_the_epoch_after_a_take_over_is_a_lost_session(url, db
     expected = LostSession if taken_over else grpc.aio.AioRpcError
     with pytest.raises(expected):
         asyncio.run(go())
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_failover_waits_for_the_commit_in_flight_at_the_old_epoch(url, db, sid, waits):
+    """The commit runs behind the next round's calls; when one of those fails over, the epoch
+    bump waits for that commit (it carries the old epoch). Bumped first, the commit finds the
+    epoch moved and the run loses its own session — recovered only by a takeover (a CI run
+    of b8e8d24: a draft killed mid-stream ended in one). Negative control: a commit the links
+    do not know of (`waits` False) is refused."""
+    started(url, sid)  # epoch 0, version 4
+    worker = SimpleNamespace(address="draft-b:1", sessions=set())
+    pool = SimpleNamespace(pick=lambda prefer="", exclude=(): worker)
+
+    async def go():
+        r = redis_client(url)
+        try:
+            store = SessionStore(r, LEASE_S, TTL_S)
+            ctx = SimpleNamespace(
+                store=store, count=lambda *a, **k: None, owner="c1", pool=lambda role: pool
+            )
+            links = SessionLinks(ctx, sid, 0, {}, Stats())
+
+            async def commit():  # a commit slow to reach Redis, at the epoch it was made at
+                epoch = links.epoch
+                await asyncio.sleep(0.05)
+                return await store.commit(sid, "c1", 4, epoch, [8], ["llo"], {"rounds": 2})
+
+            landing = asyncio.create_task(commit())
+            if waits:
+                links.landing = landing
+            assert await links.attach("draft", exclude={"draft-a:1"})
+            return links.epoch, await landing
+        finally:
+            await r.aclose()
+
+    if not waits:
+        with pytest.raises(LostSession):
+            asyncio.run(go())
+        return
+    assert asyncio.run(go()) == (1, (5, ""))
+    k = Keys.of(sid)
+    assert db.lrange(k.tokens, 0, -1) == ["7", "8"]
+    assert db.hget(k.hash, "epoch") == "1" and db.get(k.lease) == "c1"
