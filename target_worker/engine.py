@@ -149,22 +149,26 @@ class TargetEngine:
 
 
 def draft_block(items: list[VerifyItem], gamma: int, device) -> DraftBlock:
-    """The items' candidates and sparse q̃ as padded tensors (token-only: the candidate, 1)."""
+    """The items' candidates and sparse q̃ as padded tensors (token-only: the candidate, 1),
+    padded on Python lists and made into one tensor each (a tensor a candidate cost ~0.2 ms a
+    sampling round at γ = 4)."""
     k = max([len(ids) for item in items for ids in (item.dist_ids or [])] + [1])
-    batch = len(items)
-    candidates = torch.zeros(batch, gamma, dtype=torch.int64)
-    q_ids = torch.zeros(batch, gamma, k, dtype=torch.int64)
-    q_weights = torch.zeros(batch, gamma, k, dtype=torch.float64)
-    for b, item in enumerate(items):
-        g = len(item.candidates)
-        if not g:
-            continue
-        candidates[b, :g] = torch.tensor(item.candidates)
+    candidates, q_ids, q_weights = [], [], []
+    for item in items:
+        pad = gamma - len(item.candidates)
+        candidates += item.candidates + [0] * pad
         if item.dist_ids is None:
-            q_ids[b, :g, 0], q_weights[b, :g, 0] = candidates[b, :g], 1.0
+            q_ids += [[c] + [0] * (k - 1) for c in item.candidates]
+            q_weights += [[1.0] + [0.0] * (k - 1) for _ in item.candidates]
         else:
-            for i, (ids, weights) in enumerate(zip(item.dist_ids, item.dist_weights)):
-                q_ids[b, i, : len(ids)] = torch.tensor(ids)
-                q_weights[b, i, : len(ids)] = torch.tensor(weights, dtype=torch.float64)
-    num = torch.tensor([len(item.candidates) for item in items])
-    return DraftBlock(candidates.to(device), num.to(device), q_ids.to(device), q_weights.to(device))
+            q_ids += [ids + [0] * (k - len(ids)) for ids in item.dist_ids]
+            q_weights += [weights + [0] * (k - len(weights)) for weights in item.dist_weights]
+        q_ids += [[0] * k] * pad
+        q_weights += [[0.0] * k] * pad
+    shape = (len(items), gamma, k)
+    return DraftBlock(
+        torch.tensor(candidates, dtype=torch.int64).reshape(shape[:2]).to(device),
+        torch.tensor([len(item.candidates) for item in items]).to(device),
+        torch.tensor(q_ids, dtype=torch.int64).reshape(shape).to(device),
+        torch.tensor(q_weights, dtype=torch.float64).reshape(shape).to(device),
+    )
