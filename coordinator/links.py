@@ -56,7 +56,7 @@ def check_proposal(response: draft_pb2.ProposeResponse, gamma: int, vocab: int) 
         raise BadAnswer(f"{len(candidates)} candidates for γ = {gamma}")
     try:
         check_tokens(candidates, vocab, "candidate_ids")
-        check_draft_dists(candidates, list(response.draft_dists), vocab)
+        check_draft_dists(candidates, response.draft_dists, vocab)
     except InvalidArgument as exc:
         raise BadAnswer(str(exc)) from exc
 

@@ -56,13 +56,14 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
             raise InvalidArgument(
                 f"candidate_ids: {len(candidates)} candidates exceed the limit of {self.settings.max_speculative_tokens}"
             )
-        dists = list(request.draft_dists)
-        check_draft_dists(candidates, dists, runtime.vocab_size)
+        dist_ids, dist_weights = check_draft_dists(
+            candidates, request.draft_dists, runtime.vocab_size
+        )
         check_top_logprobs(request.top_logprobs)
         params = sampling_from_proto(request.sampling)
         if request.max_output_tokens:
             candidates = candidates[: request.max_output_tokens - 1]
-            dists = dists[: len(candidates)]
+            dist_ids, dist_weights = dist_ids[: len(candidates)], dist_weights[: len(candidates)]
         if request.base.base_len + len(candidates) > runtime.max_context:
             raise InvalidArgument(
                 f"base.base_len + candidates exceeds the model context {runtime.max_context}"
@@ -73,8 +74,8 @@ class TargetService(WorkerService, target_pb2_grpc.TargetWorkerServicer):
                 session=session,
                 base_len=request.base.base_len,
                 candidates=candidates,
-                dist_ids=[list(d.token_ids) for d in dists] if dists else None,
-                dist_weights=[list(d.weights) for d in dists] if dists else None,
+                dist_ids=dist_ids or None,
+                dist_weights=dist_weights or None,
                 params=params,
                 seed=request.seed,
                 return_logprobs=request.return_logprobs,

@@ -187,6 +187,13 @@ def dist_gives_candidate_zero_weight(request, victim):
     dist.weights[index] = 0
 
 
+def dist_leaves_the_candidate_out(request, victim):
+    dist = request.draft_dists[0]
+    index = list(dist.token_ids).index(request.candidate_ids[0])
+    unused = next(t for t in range(VOCAB) if t not in dist.token_ids)
+    dist.token_ids[index] = unused
+
+
 def dist_token_outside_vocab(request, victim):
     request.draft_dists[1].token_ids.append(VOCAB)
     request.draft_dists[1].weights.append(1)
@@ -202,6 +209,7 @@ VERIFY = {
     "gamma-above-limit": (too_many_candidates, INVALID, "candidate_ids"),
     "draft_dists-length": (dists_length_mismatch, INVALID, "draft_dists"),
     "candidate-zero-weight": (dist_gives_candidate_zero_weight, INVALID, "draft_dists[0]"),
+    "candidate-not-in-dist": (dist_leaves_the_candidate_out, INVALID, "draft_dists[0]"),
     "dist-token-outside-vocab": (dist_token_outside_vocab, INVALID, "draft_dists[1].token_ids"),
     "dist-weights-length": (dist_weights_shorter, INVALID, "draft_dists[2]"),
 }
