@@ -2,7 +2,8 @@
 rows past the window get the torch path's τ bit for bit and its log Z to rounding, their next
 token is the dense reference's draw (`draw_next` over dense float64 rows), whole-row log-sums
 agree with `full_lse` within its float32 rounding, the draft's step gives the torch path's
-candidates and q̃ up to the order of tied tokens, and a row's result does not depend on the
+candidates and q̃ up to the order of tied tokens, the window (`top`) is torch.topk's with
+tied tokens by id, and a row's result does not depend on the
 rows beside it — on the stress set of tests/unit/test_small_batch_math.py (flat rows with
 nuclei of thousands, ties, plateaus, top-k past the window, min-p, 8k and 49k vocabularies).
 Through the eager hot path the first token and the bonus token of γ = 1 rounds follow Hugging
@@ -156,6 +157,55 @@ def test_a_row_alone_is_the_row_in_a_batch(module):
         args = (logits[one], [0], temperature[one], t, lz, q_ids[one], q_weights[one])
         alone = module.draw(*args, rejected[one], u[one])
         assert alone == tokens[one]
+
+
+def window_faults(x: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> list[str]:
+    """How a window (values, ids) of rows x differs from `torch.topk`'s: its values must be
+    topk's (NaN first), its ids must hold them, each once, and equal values go by id."""
+    faults = []
+    expected = torch.topk(x, values.shape[1], dim=-1).values
+    if not torch.equal(values.nan_to_num(nan=1e30), expected.nan_to_num(nan=1e30)):
+        faults.append("values")
+    if not torch.equal(x.gather(1, ids).nan_to_num(nan=1e30), values.nan_to_num(nan=1e30)):
+        faults.append("ids")
+    for r in range(x.shape[0]):
+        row_ids, row_values = ids[r].tolist(), values[r].nan_to_num(nan=1e30).tolist()
+        if len(set(row_ids)) != len(row_ids):
+            faults.append(f"row {r}: an id twice")
+        ties = [j for j in range(1, len(row_ids)) if row_values[j] == row_values[j - 1]]
+        if any(row_ids[j] < row_ids[j - 1] for j in ties):
+            faults.append(f"row {r}: ties not by id")
+    return faults
+
+
+@pytest.mark.parametrize("kind", ["flat", "ties", "plateau", "peaked"])
+@pytest.mark.parametrize("vocab", [100, 8192, 49152])
+def test_top_is_torchs_topk_with_ties_by_id(module, kind, vocab):
+    """The window (`top`): torch.topk's values, each id once and holding its value, tokens of
+    equal logit by id — at the processors' window (64, 65), a large top-k's (200, 1001: smaller
+    blocks, then every value keyed) and the whole row; rows of −inf, ±0, NaN, all equal."""
+    gen = torch.Generator().manual_seed(vocab + len(kind))
+    x = stress_logits(gen, 8, vocab, kind)
+    x[1, vocab // 3 :] = float("-inf")
+    x[2] = float("-inf")
+    x[3, 5], x[3, vocab - 1] = float("nan"), float("nan")
+    x[4] = 1.0
+    x[5, : vocab // 2], x[5, vocab // 2 :] = -0.0, 0.0
+    for width in sorted({min(w, vocab) for w in (1, 64, 65, 200, 1001, vocab)}):
+        values, ids = module.top(x, width)
+        assert window_faults(x, values, ids) == [], (kind, vocab, width)
+
+
+def test_negative_control_a_window_off_by_one_is_caught(module):
+    """The comparison sees a window missing its largest value, and ties out of id order."""
+    gen = torch.Generator().manual_seed(11)
+    x = stress_logits(gen, 4, 8192, "ties")
+    values, ids = module.top(x, 65)
+    assert window_faults(x, values[:, 1:], ids[:, 1:]) != []
+    swapped = ids.clone()
+    r, j = next((r, j) for r in range(4) for j in range(1, 65) if values[r, j] == values[r, j - 1])
+    swapped[r, j - 1], swapped[r, j] = ids[r, j], ids[r, j - 1]
+    assert window_faults(x, values, swapped) == [f"row {r}: ties not by id"]
 
 
 def test_negative_control_a_top_p_one_step_off_is_caught(module):

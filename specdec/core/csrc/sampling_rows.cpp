@@ -14,6 +14,7 @@
 #include <functional>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <unordered_map>
@@ -25,6 +26,8 @@ constexpr int64_t BINS_PER_NAT = 16;  // as nucleus.py: 16 bins a nat, 1024 bins
 constexpr int64_t BINS = 1024;
 constexpr int64_t DRAW_BLOCK = 512;  // values a block of `draw`'s inverse CDF
 constexpr int64_t ARGMAX_BLOCK = 1024;  // values a block of `argmax`'s pass
+constexpr int64_t TOP_BLOCK = 64;  // values a block of `top`'s first pass (at most)
+constexpr int64_t TOP_MIN_BLOCK = 16;  // (at least, else `top` keys every value)
 
 // exp of the first n values of x in place, through ATen (vectorised, one dispatch), where
 // keep[i] and the result is a normal number; 0 elsewhere (exp(−inf) = 0, and subnormal results
@@ -126,6 +129,20 @@ double vector_sum(const T* x, int64_t n) {
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]);
   return sum;
+}
+
+// The largest of row[start, end) (−inf when empty) and whether a NaN is among them, in one
+// vectorised pass (`top`'s and `argmax`'s blocks)
+float block_max(const float* row, int64_t start, int64_t end, bool& nan) {
+  float m = -INFINITY;
+  int has_nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : has_nan)
+  for (int64_t v = start; v < end; ++v) {
+    m = row[v] > m ? row[v] : m;
+    has_nan |= row[v] != row[v];
+  }
+  nan = has_nan != 0;
+  return m;
 }
 
 // rows [R, vocab] as a contiguous float32 CPU tensor
@@ -406,6 +423,88 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
   return {tokens, ids, weights};
 }
 
+// The `width` largest values of each row of x [R, vocab] float32, descending, and their ids
+// (`torch.topk` of the processors' window, processed.py; tokens of equal value by id, NaN above
+// every number, as torch orders it) -> (values [R, width] float32, ids [R, width] int64). The
+// block maxima bound the answer from below: the width-th largest of the blocks' maxima m has
+// width blocks holding a value ≥ m, so the width largest values are all ≥ m — one vectorised
+// pass for the maxima, one for the values ≥ m (usually a few times the width), a partial sort
+// of those (as integer keys). Blocks are smaller for wider windows (a large top-k); a window
+// that is more than a sixteenth of the row keys every value; a row holding a NaN sorts the row.
+std::vector<torch::Tensor> top(torch::Tensor x, int64_t width) {
+  x = float_rows(x, "x");
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(width >= 1 && width <= vocab, "width: 1 to the vocabulary");
+  auto values = torch::empty({rows, width}, torch::kFloat32);
+  auto ids = torch::empty({rows, width}, torch::kInt64);
+  // at least `width` blocks of up to TOP_BLOCK values; where those would hold fewer than
+  // TOP_MIN_BLOCK (a window that is a large part of the row: a large top-k) every value is a
+  // key, and the window's keys are selected (`nth_element`), then sorted
+  const int64_t size = std::min<int64_t>(TOP_BLOCK, vocab / width);
+  const bool filter = size >= TOP_MIN_BLOCK;
+  const int64_t blocks = filter ? (vocab + size - 1) / size : 0;
+  std::vector<float> maxima(blocks);
+  std::vector<uint64_t> keys;
+  std::vector<int64_t> order;
+  keys.reserve(vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x.data_ptr<float>() + r * vocab;
+    float* out_values = values.data_ptr<float>() + r * width;
+    int64_t* out_ids = ids.data_ptr<int64_t>() + r * width;
+    bool nan = false;
+    for (int64_t b = 0; b < blocks; ++b) {
+      bool has_nan;
+      maxima[b] = block_max(row, b * size, std::min(vocab, (b + 1) * size), has_nan);
+      nan |= has_nan;
+    }
+    if (!filter) block_max(row, 0, vocab, nan);
+    if (nan) {  // NaN first (by id), then the numbers: the whole row, by comparison
+      order.resize(vocab);
+      for (int64_t v = 0; v < vocab; ++v) order[v] = v;
+      std::partial_sort(order.begin(), order.begin() + width, order.end(),
+                        [&](int64_t a, int64_t b) {
+                          const bool a_nan = row[a] != row[a], b_nan = row[b] != row[b];
+                          if (a_nan || b_nan) return a_nan && (!b_nan || a < b);
+                          return row[a] > row[b] || (row[a] == row[b] && a < b);
+                        });
+      for (int64_t j = 0; j < width; ++j) {
+        out_ids[j] = order[j];
+        out_values[j] = row[order[j]];
+      }
+      continue;
+    }
+    float bound = -INFINITY;
+    if (filter) {
+      std::nth_element(maxima.begin(), maxima.begin() + (width - 1), maxima.end(),
+                       std::greater<float>());
+      bound = maxima[width - 1];
+    }
+    // each value ≥ the bound as one sortable key: larger value first, then lower id (the
+    // float's bits made monotone, −0 as +0 so that they tie as they compare)
+    keys.clear();
+    for (int64_t v = 0; v < vocab; ++v) {
+      const float f = row[v];
+      if (!(f >= bound)) continue;
+      uint32_t u;
+      const float g = f == 0.0f ? 0.0f : f;
+      std::memcpy(&u, &g, sizeof u);
+      u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+      keys.push_back((static_cast<uint64_t>(~u) << 32) | static_cast<uint64_t>(v));
+    }
+    if (filter) {
+      std::partial_sort(keys.begin(), keys.begin() + width, keys.end());
+    } else {
+      std::nth_element(keys.begin(), keys.begin() + (width - 1), keys.end());
+      std::sort(keys.begin(), keys.begin() + width);
+    }
+    for (int64_t j = 0; j < width; ++j) {
+      out_ids[j] = static_cast<int64_t>(keys[j] & 0xffffffffu);
+      out_values[j] = row[out_ids[j]];
+    }
+  }
+  return {values, ids};
+}
+
 // `torch.argmax` of each row of x [R, vocab] float32 (the first maximum; a row holding NaN: its
 // first NaN, as torch's) -> [R] int64: greedy's candidate and verification (reduce.py)
 torch::Tensor argmax(torch::Tensor x) {
@@ -420,14 +519,8 @@ torch::Tensor argmax(torch::Tensor x) {
     float top = -INFINITY;
     bool nan = false;
     for (int64_t start = 0; start < vocab && !nan; start += ARGMAX_BLOCK) {
-      const int64_t end = std::min(vocab, start + ARGMAX_BLOCK);
-      float m = -INFINITY;
-      int has_nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : has_nan)
-      for (int64_t v = start; v < end; ++v) {
-        m = row[v] > m ? row[v] : m;
-        has_nan |= row[v] != row[v];
-      }
+      bool has_nan;
+      const float m = block_max(row, start, std::min(vocab, start + ARGMAX_BLOCK), has_nan);
       if (has_nan || block < 0 || m > top) {
         top = m;
         block = start;
@@ -443,6 +536,7 @@ torch::Tensor argmax(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax", &argmax, "the first maximum of each row");
+  m.def("top", &top, "the largest values of each row and their ids, descending");
   m.def("draft", &draft, "a draft step's q̃ and candidates of sampled rows");
   m.def("lse", &lse, "log-sums of whole rows over their kept sets");
   m.def("nucleus", &nucleus, "top-p cuts of rows whose nucleus is past the window");
