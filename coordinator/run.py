@@ -8,8 +8,9 @@ streams read) only after Redis acknowledged them: commit before stream (invarian
 The commit runs behind: a round's commit and publish go on while the next round proposes and
 verifies from the prefix the workers already hold (`committed`, ahead of `generated` by the
 round in flight), and each commit waits for the one before it (the compare-and-set needs
-it), as does a failover's epoch bump (the commit carries the epoch it was made at). A lost lease or a CancelSession seen by that commit ends the session before the next
-round's tokens are committed; that round's work is discarded (workers fence stale epochs).
+it), as does a failover's epoch bump (the commit carries the epoch it was made at). A lost
+lease or a CancelSession seen by that commit ends the session before the next round's tokens
+are committed; that round's work is discarded (workers fence stale epochs).
 """
 
 from __future__ import annotations

@@ -435,6 +435,7 @@ std::vector<torch::Tensor> top(torch::Tensor x, int64_t width) {
   x = float_rows(x, "x");
   const int64_t rows = x.size(0), vocab = x.size(1);
   TORCH_CHECK(width >= 1 && width <= vocab, "width: 1 to the vocabulary");
+  TORCH_CHECK(vocab <= (int64_t{1} << 32), "x: at most 2^32 values a row (ids are 32-bit keys)");
   auto values = torch::empty({rows, width}, torch::kFloat32);
   auto ids = torch::empty({rows, width}, torch::kInt64);
   // at least `width` blocks of up to TOP_BLOCK values; where those would hold fewer than
