@@ -150,8 +150,8 @@ class TargetEngine:
 
 def draft_block(items: list[VerifyItem], gamma: int, device) -> DraftBlock:
     """The items' candidates and sparse q̃ as padded tensors (token-only: the candidate, 1),
-    padded on Python lists and made into one tensor each (a tensor a candidate cost ~0.2 ms a
-    sampling round at γ = 4)."""
+    padded on Python lists and made into one tensor each (a tensor and indexed writes a
+    candidate cost 117 µs for one session's block with q̃ of 64 at γ = 4; 47 µs so)."""
     k = max([len(ids) for item in items for ids in (item.dist_ids or [])] + [1])
     candidates, q_ids, q_weights = [], [], []
     for item in items:
@@ -167,8 +167,8 @@ def draft_block(items: list[VerifyItem], gamma: int, device) -> DraftBlock:
         q_weights += [[0.0] * k] * pad
     shape = (len(items), gamma, k)
     return DraftBlock(
-        torch.tensor(candidates, dtype=torch.int64).reshape(shape[:2]).to(device),
-        torch.tensor([len(item.candidates) for item in items]).to(device),
-        torch.tensor(q_ids, dtype=torch.int64).reshape(shape).to(device),
-        torch.tensor(q_weights, dtype=torch.float64).reshape(shape).to(device),
+        torch.tensor(candidates, dtype=torch.int64, device=device).reshape(shape[:2]),
+        torch.tensor([len(item.candidates) for item in items], device=device),
+        torch.tensor(q_ids, dtype=torch.int64, device=device).reshape(shape),
+        torch.tensor(q_weights, dtype=torch.float64, device=device).reshape(shape),
     )

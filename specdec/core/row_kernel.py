@@ -20,7 +20,8 @@ whole-row log-sums (`specdec.core.logsum`) and their next token's draw from chun
   vectorised pass over blocks' maxima, then the first block holding the maximum;
 - `top`: the processors' window of a row (`specdec.core.processed.top_window`, torch.topk's
   values; tokens of equal logit by id): the blocks' maxima bound the window from below, so
-  only the values above that bound are sorted (~2.7× torch's topk at a 64-value window).
+  only the values above that bound are sorted (~2.7× torch's topk at a 64-value window); the
+  draft's step selects its window the same way.
 Exps are ATen's own, one call a row; none is asked for exp(−inf) or a subnormal result, which
 take its slow path (~7× and ~180× a value's cost here).
 Each row is computed alone, so a row's result does not depend on the rows beside it: the

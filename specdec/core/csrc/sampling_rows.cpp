@@ -145,6 +145,75 @@ float block_max(const float* row, int64_t start, int64_t end, bool& nan) {
   return m;
 }
 
+// What `select_top` reuses from row to row
+struct TopScratch {
+  std::vector<float> maxima;
+  std::vector<uint64_t> keys;
+  std::vector<int64_t> order;
+};
+
+// The ids of the `width` largest of row[0, vocab) into out, descending; equal values by id
+// (torch orders them as it likes), NaN above every number, as torch orders it: the window of
+// `top` (the target's, processed.py) and of `draft`. The block maxima bound the answer from
+// below: the width-th largest block maximum m has width blocks holding a value ≥ m, so the
+// width largest values are all ≥ m — one vectorised pass for the maxima, one for the values ≥ m
+// (usually a few times the width), a partial sort of those as integer keys. Blocks are smaller
+// for wider windows (a large top-k); a window of more than a sixteenth of the row keys every
+// value and selects (`nth_element`); a row holding a NaN sorts the whole row.
+void select_top(const float* row, int64_t vocab, int64_t width, TopScratch& s, int64_t* out) {
+  const int64_t size = std::min<int64_t>(TOP_BLOCK, vocab / width);
+  const bool filter = size >= TOP_MIN_BLOCK;
+  bool nan = false;
+  if (filter) {
+    const int64_t blocks = (vocab + size - 1) / size;
+    s.maxima.resize(blocks);
+    for (int64_t b = 0; b < blocks; ++b) {
+      bool has_nan;
+      s.maxima[b] = block_max(row, b * size, std::min(vocab, (b + 1) * size), has_nan);
+      nan |= has_nan;
+    }
+  } else {
+    block_max(row, 0, vocab, nan);
+  }
+  if (nan) {  // NaN first (by id), then the numbers: the whole row, by comparison
+    s.order.resize(vocab);
+    for (int64_t v = 0; v < vocab; ++v) s.order[v] = v;
+    std::partial_sort(s.order.begin(), s.order.begin() + width, s.order.end(),
+                      [&](int64_t a, int64_t b) {
+                        const bool a_nan = row[a] != row[a], b_nan = row[b] != row[b];
+                        if (a_nan || b_nan) return a_nan && (!b_nan || a < b);
+                        return row[a] > row[b] || (row[a] == row[b] && a < b);
+                      });
+    std::copy(s.order.begin(), s.order.begin() + width, out);
+    return;
+  }
+  float bound = -INFINITY;
+  if (filter) {
+    std::nth_element(s.maxima.begin(), s.maxima.begin() + (width - 1), s.maxima.end(),
+                     std::greater<float>());
+    bound = s.maxima[width - 1];
+  }
+  // each value ≥ the bound as one sortable key: larger value first, then lower id (the
+  // float's bits made monotone, −0 as +0 so that they tie as they compare)
+  s.keys.clear();
+  for (int64_t v = 0; v < vocab; ++v) {
+    const float f = row[v];
+    if (!(f >= bound)) continue;
+    uint32_t u;
+    const float g = f == 0.0f ? 0.0f : f;
+    std::memcpy(&u, &g, sizeof u);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    s.keys.push_back((static_cast<uint64_t>(~u) << 32) | static_cast<uint64_t>(v));
+  }
+  if (filter) {
+    std::partial_sort(s.keys.begin(), s.keys.begin() + width, s.keys.end());
+  } else {
+    std::nth_element(s.keys.begin(), s.keys.begin() + (width - 1), s.keys.end());
+    std::sort(s.keys.begin(), s.keys.begin() + width);
+  }
+  for (int64_t j = 0; j < width; ++j) out[j] = static_cast<int64_t>(s.keys[j] & 0xffffffffu);
+}
+
 // rows [R, vocab] as a contiguous float32 CPU tensor
 torch::Tensor float_rows(torch::Tensor x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), name,
@@ -328,6 +397,7 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
                   min_p.size() == n && u.size() == n,
               "temperature, top_k, top_p, min_p, u: one a row");
   TORCH_CHECK(k >= 1 && k <= vocab, "k: 1 to the vocabulary");
+  TORCH_CHECK(vocab <= (int64_t{1} << 32), "logits: at most 2^32 values a row");
   const int64_t width = std::min<int64_t>(vocab, std::max<int64_t>(64, k));
   auto tokens = torch::empty({rows}, torch::kInt64);
   auto ids = torch::empty({rows, k}, torch::kInt64);
@@ -335,24 +405,12 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
   std::vector<float> z(vocab), scratch;
   std::vector<int64_t> top(width);
   std::vector<double> mass(width);
+  TopScratch window;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = logits.data_ptr<float>() + r * vocab;
     const float t = static_cast<float>(temperature[r]);  // as torch.tensor(float32) rounds it
     for (int64_t v = 0; v < vocab; ++v) z[v] = row[v] / t;
-    // the window: the W largest z, descending (ties: lower id first)
-    auto before = [&](int64_t a, int64_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
-    int64_t filled = 0;
-    for (int64_t v = 0; v < vocab; ++v) {  // a min-heap of the W best so far
-      if (filled < width) {
-        top[filled++] = v;
-        std::push_heap(top.begin(), top.begin() + filled, before);
-      } else if (before(v, top[0])) {
-        std::pop_heap(top.begin(), top.end(), before);
-        top[width - 1] = v;
-        std::push_heap(top.begin(), top.end(), before);
-      }
-    }
-    std::sort_heap(top.begin(), top.end(), before);
+    select_top(z.data(), vocab, width, window, top.data());  // the W largest z, descending
     const float z_max = z[top[0]];
     const int64_t kk = top_k[r];
     float tau_k = -INFINITY;
@@ -424,13 +482,8 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
 }
 
 // The `width` largest values of each row of x [R, vocab] float32, descending, and their ids
-// (`torch.topk` of the processors' window, processed.py; tokens of equal value by id, NaN above
-// every number, as torch orders it) -> (values [R, width] float32, ids [R, width] int64). The
-// block maxima bound the answer from below: the width-th largest of the blocks' maxima m has
-// width blocks holding a value ≥ m, so the width largest values are all ≥ m — one vectorised
-// pass for the maxima, one for the values ≥ m (usually a few times the width), a partial sort
-// of those (as integer keys). Blocks are smaller for wider windows (a large top-k); a window
-// that is more than a sixteenth of the row keys every value; a row holding a NaN sorts the row.
+// (`torch.topk` of the processors' window, processed.py; `select_top`) -> (values [R, width]
+// float32, ids [R, width] int64)
 std::vector<torch::Tensor> top(torch::Tensor x, int64_t width) {
   x = float_rows(x, "x");
   const int64_t rows = x.size(0), vocab = x.size(1);
@@ -438,70 +491,13 @@ std::vector<torch::Tensor> top(torch::Tensor x, int64_t width) {
   TORCH_CHECK(vocab <= (int64_t{1} << 32), "x: at most 2^32 values a row (ids are 32-bit keys)");
   auto values = torch::empty({rows, width}, torch::kFloat32);
   auto ids = torch::empty({rows, width}, torch::kInt64);
-  // at least `width` blocks of up to TOP_BLOCK values; where those would hold fewer than
-  // TOP_MIN_BLOCK (a window that is a large part of the row: a large top-k) every value is a
-  // key, and the window's keys are selected (`nth_element`), then sorted
-  const int64_t size = std::min<int64_t>(TOP_BLOCK, vocab / width);
-  const bool filter = size >= TOP_MIN_BLOCK;
-  const int64_t blocks = filter ? (vocab + size - 1) / size : 0;
-  std::vector<float> maxima(blocks);
-  std::vector<uint64_t> keys;
-  std::vector<int64_t> order;
-  keys.reserve(vocab);
+  TopScratch scratch;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x.data_ptr<float>() + r * vocab;
-    float* out_values = values.data_ptr<float>() + r * width;
     int64_t* out_ids = ids.data_ptr<int64_t>() + r * width;
-    bool nan = false;
-    for (int64_t b = 0; b < blocks; ++b) {
-      bool has_nan;
-      maxima[b] = block_max(row, b * size, std::min(vocab, (b + 1) * size), has_nan);
-      nan |= has_nan;
-    }
-    if (!filter) block_max(row, 0, vocab, nan);
-    if (nan) {  // NaN first (by id), then the numbers: the whole row, by comparison
-      order.resize(vocab);
-      for (int64_t v = 0; v < vocab; ++v) order[v] = v;
-      std::partial_sort(order.begin(), order.begin() + width, order.end(),
-                        [&](int64_t a, int64_t b) {
-                          const bool a_nan = row[a] != row[a], b_nan = row[b] != row[b];
-                          if (a_nan || b_nan) return a_nan && (!b_nan || a < b);
-                          return row[a] > row[b] || (row[a] == row[b] && a < b);
-                        });
-      for (int64_t j = 0; j < width; ++j) {
-        out_ids[j] = order[j];
-        out_values[j] = row[order[j]];
-      }
-      continue;
-    }
-    float bound = -INFINITY;
-    if (filter) {
-      std::nth_element(maxima.begin(), maxima.begin() + (width - 1), maxima.end(),
-                       std::greater<float>());
-      bound = maxima[width - 1];
-    }
-    // each value ≥ the bound as one sortable key: larger value first, then lower id (the
-    // float's bits made monotone, −0 as +0 so that they tie as they compare)
-    keys.clear();
-    for (int64_t v = 0; v < vocab; ++v) {
-      const float f = row[v];
-      if (!(f >= bound)) continue;
-      uint32_t u;
-      const float g = f == 0.0f ? 0.0f : f;
-      std::memcpy(&u, &g, sizeof u);
-      u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-      keys.push_back((static_cast<uint64_t>(~u) << 32) | static_cast<uint64_t>(v));
-    }
-    if (filter) {
-      std::partial_sort(keys.begin(), keys.begin() + width, keys.end());
-    } else {
-      std::nth_element(keys.begin(), keys.begin() + (width - 1), keys.end());
-      std::sort(keys.begin(), keys.begin() + width);
-    }
-    for (int64_t j = 0; j < width; ++j) {
-      out_ids[j] = static_cast<int64_t>(keys[j] & 0xffffffffu);
-      out_values[j] = row[out_ids[j]];
-    }
+    select_top(row, vocab, width, scratch, out_ids);
+    float* out_values = values.data_ptr<float>() + r * width;
+    for (int64_t j = 0; j < width; ++j) out_values[j] = row[out_ids[j]];
   }
   return {values, ids};
 }
