@@ -28,11 +28,17 @@ def _base(session_id: str, history: list[int]) -> common_pb2.Base:
 
 
 def direct_rounds(
-    draft_addr: str, target_addr: str, prompt: list[int], gamma: int, new_tokens: int
+    draft_addr: str,
+    target_addr: str,
+    prompt: list[int],
+    gamma: int,
+    new_tokens: int,
+    sampling: common_pb2.SamplingParams | None = None,
 ) -> dict:
-    """Median ms per round of each part, over the rounds after the first (prefill) one."""
+    """Median ms per round of each part, over the rounds after the first (prefill) one;
+    greedy unless `sampling` is given (seed 0 on both workers)."""
     session_id = f"bench-breakdown-g{gamma}-{time.monotonic_ns()}"
-    greedy = common_pb2.SamplingParams()
+    params = sampling if sampling is not None else common_pb2.SamplingParams()
     parts: dict[str, list[float]] = {
         k: [] for k in ("draft_forward", "draft_rpc", "target_forward", "target_rpc", "round")
     }
@@ -55,7 +61,7 @@ def direct_rounds(
                             base=_base(session_id, history),
                             delta=common_pb2.TokenDelta(start=held, token_ids=history[held:]),
                             num_speculative_tokens=g,
-                            sampling=greedy,
+                            sampling=params,
                             seed=0,
                         ),
                         timeout=TIMEOUT_S,
@@ -69,7 +75,7 @@ def direct_rounds(
                         delta=common_pb2.TokenDelta(start=held, token_ids=history[held:]),
                         candidate_ids=candidates,
                         draft_dists=dists,
-                        sampling=greedy,
+                        sampling=params,
                         seed=0,
                         max_output_tokens=left,
                     ),

@@ -92,7 +92,7 @@ class ModelProposer:
                 proposal = proposal.over(self.head_ids)
             tokens = proposal.tokens.tolist()
             if proposal.dist_ids is not None:
-                dist_ids, dist_weights = proposal.dist_ids.cpu(), proposal.dist_weights.cpu()
+                dist_ids, dist_weights = proposal.dist_ids.tolist(), proposal.dist_weights.tolist()
             sure = greedy_confidence(last, [items[i] for i in active])
             for row, i in enumerate(active):
                 outcomes[i].candidates.append(tokens[row])

@@ -5,7 +5,8 @@ far more in per-op dispatch (~5–10 µs a torch op, ~100 ops a pass) than in ar
 for up to `FEW_ROWS` rows `specdec.core.processed` takes `cuts_few` instead of its tensor
 `cuts`: the thresholds are decided on Python floats, while every exp, log and sum stays
 torch's op on the same values — the same τ and log Z bit for bit
-(tests/unit/test_small_batch_math.py)."""
+(tests/unit/test_small_batch_math.py). Where the compiled sampling kernel is in use, rows of
+more than `WIDE` values take its `window` on both paths instead (`specdec.core.row_kernel`)."""
 
 from __future__ import annotations
 

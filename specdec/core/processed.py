@@ -84,6 +84,8 @@ class ProcessorParams:
         return dataclasses.replace(self, **dict(zip(_ROWS, map(f, rows))))
 
     def __getitem__(self, rows) -> ProcessorParams:
+        if rows == slice(0, len(self.temperature)):  # every row (one session's): as is
+            return self
         return self._with(lambda t: t[rows])
 
     def repeat_rows(self, n: int) -> ProcessorParams:
@@ -205,9 +207,19 @@ def _thresholds(
     `fits` is False for a row whose top-p nucleus may extend past the window: its τ and
     log Z are not final (the caller finishes those rows). `log_k`: the log-mass top-p is
     relative to (the top-k set's; the whole row's when top-k is off), for rows with top-p.
+
+    On a CPU where the compiled sampling kernel is in use, rows of more than `WIDE` values
+    (any number of them: the small-batch and batched paths alike) take its `window`, one call
+    for the window and every cut (`specdec.core.row_kernel`; log_k NaN without top-p).
     """
     rows, vocab = logits.shape
     width = min(vocab, max(width, int(pp.top_k.max()) + 1 if rows else 1))
+    kernel = row_kernel.for_device(logits.device) if logits.dtype == torch.float32 else None
+    if kernel is not None and rows and width <= WIDE < vocab:  # each row in one call
+        tau, log_z, fits, log_k, z, ids = kernel.window(
+            logits, pp.temperature, pp.top_k, pp.top_p, pp.min_p, width, with_log_z
+        )
+        return tau, log_z, z, ids, fits.tolist(), log_k
     values, ids = top_window(logits, width)  # [R, W], descending: order is z's
     z = values.float() / pp.temperature.to(logits.device)[:, None]
     if few_rows(rows, logits.device) and width <= WIDE:

@@ -158,10 +158,10 @@ def dense_q(ids: torch.Tensor, weights: torch.Tensor, vocab: int) -> torch.Tenso
     return dense / weights.sum(dim=-1, keepdim=True)
 
 
-def encode_sparse(ids: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Wire pairs of one q̃ row [K]: zero weights dropped."""
-    keep = weights > 0
-    return ids[keep].tolist(), weights[keep].tolist()
+def encode_sparse(ids: list[int], weights: list[int]) -> tuple[list[int], list[int]]:
+    """Wire pairs of one q̃ row (K ids and integer weights, lists): zero weights dropped."""
+    kept = [j for j, w in enumerate(weights) if w > 0]
+    return [ids[j] for j in kept], [weights[j] for j in kept]
 
 
 def sparse_q(ids: list[int], weights: list[float]) -> dict[int, float]:

@@ -154,11 +154,12 @@ class ModelRuntime:
         cached = [s.kv_len for s in sessions]
         lengths = [len(t) for t in inputs]
         max_new = max(lengths)
-        input_ids = torch.zeros(batch, max_new, dtype=torch.long)
-        positions = torch.zeros(batch, max_new, dtype=torch.long)
-        for i, tokens in enumerate(inputs):
-            input_ids[i, : lengths[i]] = torch.tensor(tokens)
-            positions[i] = cached[i] + torch.arange(max_new)
+        # built on Python lists, one tensor each (a draft step is one token a session: a few
+        # small torch ops per session would cost more than the lists)
+        input_ids = torch.tensor(
+            [[*tokens, *[0] * (max_new - len(tokens))] for tokens in inputs], dtype=torch.long
+        )
+        positions = torch.tensor([range(c, c + max_new) for c in cached], dtype=torch.long)
         kept = _kept_positions(lengths, max_new, keep)
         reused: BatchKV | None = None
         if self._kv_like is not None:  # attention writes and reads each session's own buffers

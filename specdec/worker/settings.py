@@ -62,7 +62,8 @@ class WorkerSettings(SecurityFlags):
     sampling_kernel: str = opt(
         "auto",
         "the sampling math on a CPU (the draft's step; the target's 64-value top window of "
-        "every row, and its rows whose kept set runs past it, a top-p nucleus of more than 64 "
+        "every row with its cuts, and its rows whose kept set runs past it, a top-p nucleus of "
+        "more than 64 "
         "tokens): auto (a compiled C++ "
         "kernel, each row's passes in one call, built once per machine, where it builds; else "
         "torch's ops) | compiled (that, or fail) | torch",

@@ -19,12 +19,14 @@ import random
 import pytest
 import torch
 from test_fixed_math import first_round, hf_probs, pvalue
-from test_small_batch_math import draft_round, stress_logits
+from test_small_batch_math import KINDS as SMALL_BATCH_KINDS
+from test_small_batch_math import VOCABS, bits, draft_round, stress_logits, stress_params
 
 from specdec.core import logsum, nucleus, row_kernel
+from specdec.core import processed as processed_mod
 from specdec.core.next_token import draw_next
 from specdec.core.params import SamplingParams
-from specdec.core.processed import ProcessorParams, process
+from specdec.core.processed import WINDOW, ProcessorParams, process
 from specdec.core.proposal import dense_q, propose_step
 
 KINDS = ("flat", "flat", "ties", "plateau", "peaked")
@@ -236,6 +238,97 @@ def test_negative_control_a_draw_from_p_after_a_rejection_is_caught(compiled):
         want = draw_next(dense, dense_q(q_ids, q_weights, 8192), rejected, u)
         mismatches += sum(a != b for a, b in zip(wrong, want.tolist()))
     assert mismatches > 50
+
+
+# --- the processors' window and cuts (`window`) ----------------------------------------------
+
+
+def window_cases(seed: int, calls: int):
+    """(logits, ProcessorParams, width, with_log_z) of `calls` random batches of 1–8 stress rows
+    (tests/unit/test_small_batch_math.py's set: top-k at and past the 64-value window, nuclei
+    inside it and past it, min-p, ties at the cut, 8k and 49k vocabularies)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    for call in range(calls):
+        count = rng.randint(1, 8)
+        logits = stress_logits(gen, count, VOCABS[call % 3], rng.choice(SMALL_BATCH_KINDS))
+        pp = ProcessorParams.of([stress_params(rng) for _ in range(count)])
+        width = min(logits.shape[1], max(WINDOW, int(pp.top_k.max()) + 1))
+        yield logits, pp, width, rng.random() < 0.7
+
+
+def window_differences(got, logits, pp, width, with_log_z) -> dict[str, int]:
+    """Rows where the kernel's `window` differs from the torch path (`top_window`, then
+    `cuts`, whose whole-row sums go through the kernel's `lse` here as on a serving CPU): the
+    window and its z, τ and `fits` in any bit; log Z (and top-p's log-mass, where top-p is on)
+    beyond 1e-12 — the window's float64 sums add the same terms with another exp and order."""
+    values, ids = processed_mod.top_window(logits, width)
+    z = values / pp.temperature[:, None]
+    tau, log_z, fits, log_k, _ = processed_mod.cuts(logits, pp, z, with_log_z)
+    g_tau, g_log_z, g_fits, g_log_k, g_z, g_ids = got
+    on = pp.top_p < 1.0
+    if log_k is None:  # no row uses top-p
+        log_k = torch.full_like(g_log_k, float("nan"))
+
+    def far(a, b):  # NaN: far
+        return ~((a - b).abs() <= 1e-12)
+
+    return {
+        "window": int((~((bits(g_z) == bits(z)).all(1) & (g_ids == ids).all(1))).sum()),
+        "tau": int((bits(g_tau) != bits(tau)).sum()),
+        "fits": int((g_fits != fits).sum()),
+        "log_z": int(far(g_log_z, log_z).sum()) if with_log_z else int((~g_log_z.isnan()).sum()),
+        "log_k": int((far(g_log_k, log_k) & on).sum()) + int((~g_log_k.isnan() & ~on).sum()),
+    }
+
+
+def test_windows_are_the_torch_paths_cuts(compiled):
+    """The window and cuts of 6,000+ stress rows: the same window, τ and `fits` bit for bit,
+    log Z and log_k to 1e-12; covering rows whose nucleus runs past the window, whose top-p
+    log-mass is summed over the whole row (the top-k set runs past the window), and whose log Z
+    is (kept tokens past the window)."""
+    rows, total = 0, dict.fromkeys(("window", "tau", "fits", "log_z", "log_k"), 0)
+    unfit = past_k = whole = 0
+    for logits, pp, width, with_log_z in window_cases(seed=21, calls=1500):
+        got = compiled.window(
+            logits, pp.temperature, pp.top_k, pp.top_p, pp.min_p, width, with_log_z
+        )
+        for key, count in window_differences(got, logits, pp, width, with_log_z).items():
+            total[key] += count
+        rows += logits.shape[0]
+        tau, _, fits, _, z, _ = got
+        unfit += int((~fits).sum())
+        k = pp.top_k.clamp(1, width) - 1
+        tau_k = torch.where(pp.top_k > 0, z.gather(1, k[:, None]).squeeze(1), -torch.inf)
+        past_k += int(((pp.top_p < 1.0) & (z[:, -1] >= tau_k)).sum())
+        whole += int((fits & (z[:, -1] >= tau)).sum()) if with_log_z else 0
+    assert total == dict.fromkeys(total, 0), total
+    assert rows >= 6_000 and unfit > 500 and past_k > 1_000 and whole > 300
+
+
+def test_negative_control_a_window_cut_slightly_off_is_caught(compiled):
+    """The comparison sees a kernel cutting at 0.1 % less top-p (τ), and at 1 % more min-p."""
+    caught = {"tau_p": 0, "tau_m": 0}
+    for logits, pp, width, with_log_z in window_cases(seed=22, calls=200):
+        top_p = torch.where(pp.top_p < 1.0, pp.top_p * (1 - 1e-3), pp.top_p)
+        got = compiled.window(logits, pp.temperature, pp.top_k, top_p, pp.min_p, width, with_log_z)
+        caught["tau_p"] += window_differences(got, logits, pp, width, with_log_z)["tau"]
+        min_p = pp.min_p * 1.01
+        got = compiled.window(logits, pp.temperature, pp.top_k, pp.top_p, min_p, width, with_log_z)
+        caught["tau_m"] += window_differences(got, logits, pp, width, with_log_z)["tau"]
+    assert caught["tau_p"] > 20 and caught["tau_m"] > 20, caught
+
+
+def test_a_window_row_alone_is_the_row_in_a_batch(compiled):
+    def exactly(x):  # floats by their bits (NaN equal to NaN)
+        return bits(x) if x.is_floating_point() else x
+
+    for logits, pp, width, with_log_z in window_cases(seed=23, calls=40):
+        rows = (pp.temperature, pp.top_k, pp.top_p, pp.min_p)
+        batch = compiled.window(logits, *rows, width, with_log_z)
+        for r in range(logits.shape[0]):
+            one = slice(r, r + 1)
+            alone = compiled.window(logits[one], *(x[one] for x in rows), width, with_log_z)
+            assert all(torch.equal(exactly(a), exactly(b[one])) for a, b in zip(alone, batch))
 
 
 # --- the draft's step ----------------------------------------------------------------------

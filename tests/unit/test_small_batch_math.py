@@ -5,7 +5,9 @@ rows, 4k draft rows, 420 verify rounds over 8k rows of target logits) — temper
 1.7, top-k at and around the window width and past it, nuclei inside the window and past
 it, min-p, ties at the cut, peaked and flat rows, vocabularies of 8k and 49k, γ = 0..6,
 candidates accepted and rejected. Negative controls show that the comparison catches a
-slightly different top-p, a window one ulp off and a slightly different acceptance test."""
+slightly different top-p, a window one ulp off and a slightly different acceptance test.
+With the compiled sampling kernel both paths take its `window` for the cuts of rows of more
+than `WIDE` values (tests/unit/test_sampling_kernel.py compares it with the torch path's)."""
 
 from __future__ import annotations
 
@@ -227,6 +229,9 @@ def test_inverse_cdf_index_is_sample_inverse_cdf():
     assert got == expected
 
 
+# `cuts_few` is the torch path's: with the compiled kernel both paths cut rows past WIDE values in
+# its `window` (tests/unit/test_sampling_kernel.py compares it with the torch path's `cuts`)
+@pytest.mark.parametrize("sampling_kernel", ["torch"], indirect=True)
 def test_negative_control_a_slightly_different_top_p_is_caught(monkeypatch):
     """The small-batch path cutting at 0.1 % less top-p: some τ differ."""
     real = processed_mod.cuts_few
@@ -239,6 +244,7 @@ def test_negative_control_a_slightly_different_top_p_is_caught(monkeypatch):
     assert compare_process(monkeypatch, 300, seed=6)[1] > 0
 
 
+@pytest.mark.parametrize("sampling_kernel", ["torch"], indirect=True)
 def test_negative_control_a_window_one_ulp_off_is_caught(monkeypatch):
     """The small-batch path deciding on window values one ulp up: the bitwise comparison
     sees it (as it would see an exp or a sum that rounds differently from torch's)."""

@@ -131,6 +131,82 @@ double vector_sum(const T* x, int64_t n) {
   return sum;
 }
 
+// log Σ_{z ≥ cut} exp(z) over a whole row (logsum.py, `full_lse`): z = row / t, or where `scaled`
+// row · (1 / t) (float32 reciprocal; top-p's whole-row normaliser, every token kept); exps in
+// float32 relative to `top` (the row's largest z), added in float64. e: scratch, resized
+double row_log_sum(const float* row, int64_t vocab, float t, float cut, float top, bool scaled,
+                   std::vector<float>& e) {
+  e.resize(vocab);
+  if (scaled) {
+    const float inverse = 1.0f / t;
+    for (int64_t v = 0; v < vocab; ++v) e[v] = row[v] * inverse - top;
+  } else {
+    for (int64_t v = 0; v < vocab; ++v) {
+      const float z = row[v] / t;
+      e[v] = z >= cut ? z - top : EXP_FLOOR;
+    }
+  }
+  floor_exp(e.data(), vocab);
+  return std::log(vector_sum(e.data(), vocab)) + static_cast<double>(top);
+}
+
+// log Σ_{z ≥ cut} exp(z) over a window z[0, width) whose largest value is `top`, all in float64
+// (logsum.py's `masked_lse` of a window)
+double window_log_sum(const float* z, int64_t width, float cut, float top) {
+  double sum = 0.0;
+  for (int64_t j = 0; j < width; ++j)
+    if (z[j] >= cut) sum += std::exp(static_cast<double>(z[j]) - static_cast<double>(top));
+  return std::log(sum) + static_cast<double>(top);
+}
+
+// The processors' cut of one row (processed.py, `cuts`) from its window z[0, width) — the width
+// largest z = row / t, descending: top-k's τ_k (the k-th largest z; from the whole row where k
+// runs past the window), top-p's on the top-k renormalised distribution (its log-mass `log_k`
+// from the window, or from the whole row where the top-k set runs past the window: the scaled
+// sum without top-k), min-p's (z_max + log min_p, rounded to float32). `fits` is false where the
+// nucleus may run past the window (its τ is then not final); log_k is NaN without top-p.
+struct Cut {
+  float tau;
+  double log_k;
+  bool fits;
+};
+Cut cut_row(const float* row, int64_t vocab, float t, const float* z, int64_t width,
+            int64_t top_k, double top_p, double min_p, std::vector<float>& scratch) {
+  const bool narrow = width < vocab;
+  const float z_max = z[0];
+  float tau_k = -INFINITY;
+  if (top_k > 0 && top_k < vocab) {
+    if (top_k <= width) {
+      tau_k = z[top_k - 1];
+    } else {  // the k-th largest past the window
+      scratch.resize(vocab);
+      for (int64_t v = 0; v < vocab; ++v) scratch[v] = row[v] / t;
+      std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(),
+                       std::greater<float>());
+      tau_k = scratch[top_k - 1];
+    }
+  }
+  Cut cut{tau_k, std::numeric_limits<double>::quiet_NaN(), true};
+  if (top_p < 1.0) {
+    cut.log_k = narrow && z[width - 1] >= tau_k
+                    ? row_log_sum(row, vocab, t, tau_k, z_max, tau_k == -INFINITY, scratch)
+                    : window_log_sum(z, width, tau_k, z_max);
+    double cum = 0.0;
+    int64_t kept = 0;
+    for (int64_t j = 0; j < width; ++j) {  // mass strictly above each rank
+      const double m = std::exp(static_cast<double>(z[j]) - cut.log_k);
+      cum += m;
+      kept += (cum - m < top_p) & (z[j] >= tau_k);
+    }
+    kept = std::max<int64_t>(kept, 1);
+    cut.tau = std::max(cut.tau, z[kept - 1]);
+    cut.fits = !(kept == width && narrow);
+  }
+  if (min_p > 0.0)
+    cut.tau = std::max(cut.tau, static_cast<float>(z_max + std::log(std::max(min_p, 1e-300))));
+  return cut;
+}
+
 // The largest of row[start, end) (−inf when empty) and whether a NaN is among them, in one
 // vectorised pass (`top`'s and `argmax`'s blocks)
 float block_max(const float* row, int64_t start, int64_t end, bool& nan) {
@@ -359,22 +435,11 @@ torch::Tensor lse(torch::Tensor logits, torch::Tensor temperature, torch::Tensor
   auto zm = per_row(z_max, rows, torch::kFloat32, "z_max");
   auto sc = per_row(scaled, rows, torch::kBool, "scaled");
   auto out = torch::empty({rows}, logits.options().dtype(torch::kFloat64));
-  std::vector<float> e(vocab);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = logits.data_ptr<float>() + r * vocab;
-    const float t = temp.data_ptr<float>()[r], cut = ta.data_ptr<float>()[r];
-    const float top = zm.data_ptr<float>()[r], inverse = 1.0f / t;
-    if (sc.data_ptr<bool>()[r]) {
-      for (int64_t v = 0; v < vocab; ++v) e[v] = row[v] * inverse - top;
-    } else {
-      for (int64_t v = 0; v < vocab; ++v) {
-        const float z = row[v] / t;
-        e[v] = z >= cut ? z - top : EXP_FLOOR;
-      }
-    }
-    floor_exp(e.data(), vocab);
-    out.data_ptr<double>()[r] = std::log(vector_sum(e.data(), vocab)) + static_cast<double>(top);
-  }
+  std::vector<float> e;
+  for (int64_t r = 0; r < rows; ++r)
+    out.data_ptr<double>()[r] =
+        row_log_sum(logits.data_ptr<float>() + r * vocab, vocab, temp.data_ptr<float>()[r],
+                    ta.data_ptr<float>()[r], zm.data_ptr<float>()[r], sc.data_ptr<bool>()[r], e);
   return out;
 }
 
@@ -404,58 +469,18 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
   auto weights = torch::empty({rows, k}, torch::kInt64);
   std::vector<float> z(vocab), scratch;
   std::vector<int64_t> top(width);
-  std::vector<double> mass(width);
+  std::vector<float> window_z(width);
   TopScratch window;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = logits.data_ptr<float>() + r * vocab;
     const float t = static_cast<float>(temperature[r]);  // as torch.tensor(float32) rounds it
     for (int64_t v = 0; v < vocab; ++v) z[v] = row[v] / t;
     select_top(z.data(), vocab, width, window, top.data());  // the W largest z, descending
-    const float z_max = z[top[0]];
-    const int64_t kk = top_k[r];
-    float tau_k = -INFINITY;
-    if (kk > 0 && kk < vocab) {
-      if (kk <= width) {
-        tau_k = z[top[kk - 1]];
-      } else {  // the k-th largest past the window
-        scratch.assign(z.begin(), z.end());
-        std::nth_element(scratch.begin(), scratch.begin() + (kk - 1), scratch.end(),
-                         std::greater<float>());
-        tau_k = scratch[kk - 1];
-      }
-    }
-    float tau = tau_k;
-    const double p_cut = top_p[r];
-    if (p_cut < 1.0) {  // top-p on the top-k renormalised distribution
-      double log_k;
-      if (width < vocab && z[top[width - 1]] >= tau_k) {  // the top-k set runs past the window
-        scratch.resize(vocab);
-        if (tau_k == -INFINITY) {  // logsum.py's scaled sum: z = logits · (1 / T)
-          const float inverse = 1.0f / t;
-          for (int64_t v = 0; v < vocab; ++v) scratch[v] = row[v] * inverse - z_max;
-        } else {
-          for (int64_t v = 0; v < vocab; ++v) scratch[v] = z[v] >= tau_k ? z[v] - z_max : EXP_FLOOR;
-        }
-        floor_exp(scratch.data(), vocab);
-        log_k = std::log(vector_sum(scratch.data(), vocab)) + static_cast<double>(z_max);
-      } else {  // from the window, in float64
-        double sum = 0.0;
-        for (int64_t j = 0; j < width; ++j)
-          if (z[top[j]] >= tau_k) sum += std::exp(static_cast<double>(z[top[j]]) - z_max);
-        log_k = std::log(sum) + static_cast<double>(z_max);
-      }
-      double cum = 0.0;
-      int64_t kept = 0;
-      for (int64_t j = 0; j < width; ++j) {  // mass strictly above each rank
-        const double m = std::exp(static_cast<double>(z[top[j]]) - log_k);
-        cum += m;
-        kept += (cum - m < p_cut) & (z[top[j]] >= tau_k);
-      }
-      tau = std::max(tau, z[top[std::max<int64_t>(kept, 1) - 1]]);
-    }
-    const double m_cut = min_p[r];
-    if (m_cut > 0.0)
-      tau = std::max(tau, static_cast<float>(z_max + std::log(std::max(m_cut, 1e-300))));
+    for (int64_t j = 0; j < width; ++j) window_z[j] = z[top[j]];
+    const float z_max = window_z[0];
+    const float tau = cut_row(row, vocab, t, window_z.data(), width, top_k[r], top_p[r], min_p[r],
+                              scratch)
+                          .tau;
     // q̃: the K largest, integer weights; the candidate by inverse CDF over them
     int64_t* row_ids = ids.data_ptr<int64_t>() + r * k;
     int64_t* row_weights = weights.data_ptr<int64_t>() + r * k;
@@ -479,6 +504,58 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
     tokens.data_ptr<int64_t>()[r] = row_ids[std::min(index, last_positive)];
   }
   return {tokens, ids, weights};
+}
+
+// The processed distribution's cuts of sampling rows (processed.py, `_thresholds`): each row's
+// window — the `width` largest logits (`select_top`) as z = logits / T, descending — its cut
+// (`cut_row`: τ, top-p's log-mass log_k, whether the nucleus fits the window) and, with
+// `with_log_z`, log Z = log Σ_{z ≥ τ} exp(z): from the window (float64) unless kept tokens run
+// past it in a row whose nucleus fits (the whole row, `row_log_sum`; a row that does not fit
+// is finished by the caller). logits [R, vocab] float32; temperature [R] float32; top_k, top_p,
+// min_p [R] (0, 1, 0 = off); width ≥ every top-k below the vocabulary -> (τ [R] float32,
+// log Z [R] float64 (NaN without with_log_z), fits [R] bool, log_k [R] float64 (NaN without
+// top-p), z [R, width] float32, ids [R, width] int64)
+std::vector<torch::Tensor> window(torch::Tensor logits, torch::Tensor temperature,
+                                  torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p,
+                                  int64_t width, bool with_log_z) {
+  logits = float_rows(logits, "logits");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(width >= 1 && width <= vocab, "width: 1 to the vocabulary");
+  TORCH_CHECK(vocab <= (int64_t{1} << 32), "logits: at most 2^32 values a row (ids are 32-bit keys)");
+  auto temp = per_row(temperature, rows, torch::kFloat32, "temperature");
+  auto tk = per_row(top_k, rows, torch::kInt64, "top_k");
+  auto tp = per_row(top_p, rows, torch::kFloat64, "top_p");
+  auto mp = per_row(min_p, rows, torch::kFloat64, "min_p");
+  auto tau = torch::empty({rows}, torch::kFloat32);
+  auto log_z = torch::empty({rows}, torch::kFloat64);
+  auto fits = torch::empty({rows}, torch::kBool);
+  auto log_k = torch::empty({rows}, torch::kFloat64);
+  auto z = torch::empty({rows, width}, torch::kFloat32);
+  auto ids = torch::empty({rows, width}, torch::kInt64);
+  std::vector<float> scratch;
+  TopScratch top;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = logits.data_ptr<float>() + r * vocab;
+    const float t = temp.data_ptr<float>()[r];
+    const int64_t k = tk.data_ptr<int64_t>()[r];
+    TORCH_CHECK(k <= width || k >= vocab, "width: below a row's top-k");
+    int64_t* row_ids = ids.data_ptr<int64_t>() + r * width;
+    float* row_z = z.data_ptr<float>() + r * width;
+    select_top(row, vocab, width, top, row_ids);
+    for (int64_t j = 0; j < width; ++j) row_z[j] = row[row_ids[j]] / t;  // as torch divides
+    const Cut cut = cut_row(row, vocab, t, row_z, width, k, tp.data_ptr<double>()[r],
+                            mp.data_ptr<double>()[r], scratch);
+    double lz = std::numeric_limits<double>::quiet_NaN();
+    if (with_log_z)
+      lz = width < vocab && row_z[width - 1] >= cut.tau && cut.fits
+               ? row_log_sum(row, vocab, t, cut.tau, row_z[0], false, scratch)
+               : window_log_sum(row_z, width, cut.tau, row_z[0]);
+    tau.data_ptr<float>()[r] = cut.tau;
+    log_z.data_ptr<double>()[r] = lz;
+    fits.data_ptr<bool>()[r] = cut.fits;
+    log_k.data_ptr<double>()[r] = cut.log_k;
+  }
+  return {tau, log_z, fits, log_k, z, ids};
 }
 
 // The `width` largest values of each row of x [R, vocab] float32, descending, and their ids
@@ -534,6 +611,7 @@ torch::Tensor argmax(torch::Tensor x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax", &argmax, "the first maximum of each row");
   m.def("top", &top, "the largest values of each row and their ids, descending");
+  m.def("window", &window, "the processors' window and cuts of sampling rows");
   m.def("draft", &draft, "a draft step's q̃ and candidates of sampled rows");
   m.def("lse", &lse, "log-sums of whole rows over their kept sets");
   m.def("nucleus", &nucleus, "top-p cuts of rows whose nucleus is past the window");
