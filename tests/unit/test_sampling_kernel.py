@@ -305,6 +305,27 @@ def test_windows_are_the_torch_paths_cuts(compiled):
     assert rows >= 6_000 and unfit > 500 and past_k > 1_000 and whole > 300
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_p=0.95),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=1.3, top_p=0.999),
+    ],
+)
+def test_windows_of_rows_with_minus_infinity(compiled, params):
+    """Rows a processor upstream masked (−inf): 100 finite values, fewer than the window, a
+    single one, every other one; and a row of equal values — as the torch path cuts them."""
+    x = stress_logits(torch.Generator().manual_seed(0), 6, 8192, "peaked")
+    x[0, 100:] = x[1, 10:] = x[2] = float("-inf")
+    x[2, 7], x[3], x[4, ::2] = 3.0, 0.0, float("-inf")
+    pp = ProcessorParams.of([params] * 6)
+    width = max(WINDOW, params.top_k + 1)
+    got = compiled.window(x, pp.temperature, pp.top_k, pp.top_p, pp.min_p, width, True)
+    assert set(window_differences(got, x, pp, width, True).values()) == {0}
+
+
 def test_negative_control_a_window_cut_slightly_off_is_caught(compiled):
     """The comparison sees a kernel cutting at 0.1 % less top-p (τ), and at 1 % more min-p."""
     caught = {"tau_p": 0, "tau_m": 0}
