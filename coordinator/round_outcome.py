@@ -88,8 +88,9 @@ class RecordsRounds:
         self.policy.observe(gamma, accepted, accepted < gamma, timing, asked=asked)
         self.ctx.shedder.observe(t2 - t1)
         log.debug(
-            "session %s round %d: γ=%d accepted=%d draft %.1f ms (queued %.1f, forward %.1f) "
-            "verify %.1f ms (queued %.1f, forward %.1f, %d sessions) round %.1f ms",
+            "session %s round %d: γ=%d accepted=%d draft %.1f ms (queued %.1f, forward %.1f, "
+            "in the worker %.1f) verify %.1f ms (queued %.1f, forward %.1f, in the worker %.1f, "
+            "%d sessions) round %.1f ms",
             self.session_id,
             self.stats.rounds,
             gamma,
@@ -97,9 +98,11 @@ class RecordsRounds:
             1000 * (t1 - t0),
             1000 * timing.draft_queue_s,
             1000 * (timing.draft_forward_s or 0.0),
+            proposal.total_ns / 1e6 if proposal is not None and gamma else 0.0,
             1000 * (t2 - t1),
             1000 * timing.verify_queue_s,
             1000 * timing.verify_forward_s,
+            result.total_ns / 1e6,
             timing.batch_size,
             1000 * round_s,
         )
