@@ -199,7 +199,7 @@ def pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     """Chi-square p-value of tokens against probs (cells expecting < 5 merged)."""
     from scipy.stats import chisquare
 
-    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
     expected = probs * len(tokens)
     assert float(counts[expected == 0].sum()) == 0  # nothing drawn outside the kept set
     big = expected >= 5

@@ -7,7 +7,10 @@ tied tokens by id, and a row's result does not depend on the
 rows beside it — on the stress set of tests/unit/test_small_batch_math.py (flat rows with
 nuclei of thousands, ties, plateaus, top-k past the window, min-p, 8k and 49k vocabularies).
 Through the eager hot path the first token and the bonus token of γ = 1 rounds follow Hugging
-Face's warpers (chi-square), and redrawing from p after a rejection fails the same test.
+Face's warpers (chi-square), and redrawing from p after a rejection fails the same test; the
+processors' window and cuts (`window`) give the torch path's τ, `fits` and window bit for bit
+and its log Z to 1e-12, and rounds over 4,096-token rows cut by it follow the warpers too
+(a window cutting at less top-p fails).
 `--sampling-kernel` chooses it; the toolchain is part of the set-up (`make tools`), so these
 tests build the kernel and fail, not skip, where it cannot be built."""
 
@@ -28,6 +31,8 @@ from specdec.core.next_token import draw_next
 from specdec.core.params import SamplingParams
 from specdec.core.processed import WINDOW, ProcessorParams, process
 from specdec.core.proposal import dense_q, propose_step
+from specdec.core.rng import seed_tensor
+from specdec.core.verify import DraftBlock, verify_logits
 
 KINDS = ("flat", "flat", "ties", "plateau", "peaked")
 
@@ -458,6 +463,87 @@ def test_negative_control_redrawing_from_p_after_a_rejection_fails(module, monke
 
     monkeypatch.setattr(row_kernel, "_chosen", [FromP()])
     first, _, target, params = first_round(None)
+    assert pvalue(first, hf_probs(target[0], params.temperature, params.top_p)) < 1e-6
+
+
+def window_round(rows: int = 20_000, vocab: int = 4_096):
+    """γ = 1 rounds of `rows` sessions (2,000 at once) over rows of more than `WIDE` values,
+    which the kernel's `window` cuts: the target's first row peaked (a nucleus of ~40 tokens
+    inside the 64-value window: τ and log Z from the window, top-p's mass from the whole row),
+    its second flat (a nucleus of thousands, finished past the window); the draft proposes from
+    the first row plus noise (K = 32). (first tokens, bonus tokens — −1 where rejected, target
+    rows, params)."""
+    gen = torch.Generator().manual_seed(31)
+    target = torch.randn(2, vocab, generator=gen) * torch.tensor([[1.0], [0.7]])
+    target[0, torch.randperm(vocab, generator=gen)[:40]] += 6.0
+    draft = target[0] + 0.5 * torch.randn(vocab, generator=gen)
+    params = SamplingParams(temperature=0.9, top_p=0.9)
+    first, bonus = [], []
+    for start in range(0, rows, 2_000):
+        seeds = seed_tensor(range(start, start + 2_000))
+        base = torch.zeros(2_000, dtype=torch.int64)
+        step = propose_step(
+            draft.expand(2_000, -1), [params] * 2_000, seeds, base, 32, [False] * 2_000
+        )
+        block = DraftBlock(
+            step.tokens[:, None],
+            torch.ones(2_000, dtype=torch.int64),
+            step.dist_ids[:, None],
+            step.dist_weights[:, None].double(),
+        )
+        result = verify_logits(
+            target.expand(2_000, -1, -1),
+            torch.zeros(2_000, dtype=torch.bool),
+            ProcessorParams.of([params] * 2_000),
+            block,
+            seeds,
+            base,
+        )
+        first.append(result.output_tokens[:, 0])
+        bonus.append(torch.where(result.num_accepted == 1, result.output_tokens[:, 1], -1))
+    return torch.cat(first), torch.cat(bonus), target, params
+
+
+@pytest.mark.slow
+def test_first_token_and_bonus_through_the_window_are_the_targets(compiled):
+    """Against Hugging Face's warpers (chi-square), with every row cut by `window`: the first
+    token (accepted candidate or recovered token) from the peaked row, the bonus token from
+    the flat row whose nucleus runs past the window."""
+    calls = []
+
+    class Counted:  # the kernel, counting the rows its `window` cuts
+        def __getattr__(self, name):
+            return getattr(compiled, name)
+
+        def window(self, logits, *rest):
+            calls.append(logits.shape[0])
+            return compiled.window(logits, *rest)
+
+    row_kernel._chosen[:] = [Counted()]
+    first, bonus, target, params = window_round()
+    p0 = hf_probs(target[0], params.temperature, params.top_p)
+    p1 = hf_probs(target[1], params.temperature, params.top_p)
+    assert 20 < int((p0 > 0).sum()) < 64 < 3 * 64 < int((p1 > 0).sum())
+    accepted = bonus[bonus >= 0]
+    assert sum(calls) == len(first) + len(accepted) and len(accepted) > len(first) // 3
+    assert pvalue(first, p0) > 1e-3
+    assert pvalue(accepted, p1) > 1e-3
+
+
+@pytest.mark.slow
+def test_negative_control_a_window_cutting_at_less_top_p_fails(compiled):
+    """The kernel's `window` cutting every row at top-p 0.8 instead of 0.9: the first tokens
+    no longer follow the target's distribution."""
+
+    class LessTopP:
+        def __getattr__(self, name):
+            return getattr(compiled, name)
+
+        def window(self, logits, temperature, top_k, top_p, *rest):
+            return compiled.window(logits, temperature, top_k, top_p - 0.1, *rest)
+
+    row_kernel._chosen[:] = [LessTopP()]
+    first, _, target, params = window_round(rows=10_000)
     assert pvalue(first, hf_probs(target[0], params.temperature, params.top_p)) < 1e-6
 
 
