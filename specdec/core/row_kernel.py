@@ -28,7 +28,7 @@ whole-row log-sums (`specdec.core.logsum`) and their next token's draw from chun
   and the batched `cuts` are torch's ops): the same window, τ and fits as `top` then `cuts`,
   log Z to ~1e-14 (the window's float64 sums: the same terms, std::exp, in rank order); the
   whole-row sums are `lse`'s. One session's sampling verify pass at 8k values, every
-  candidate accepted: 1.07 → 0.48 ms (one thread).
+  candidate accepted: 0.94 → 0.39 ms (`python -m bench.math --quick`, one thread).
 Exps are ATen's own, one call a row; none is asked for exp(−inf) or a subnormal result, which
 take its slow path (~7× and ~180× a value's cost here).
 Each row is computed alone, so a row's result does not depend on the rows beside it: the
