@@ -15,19 +15,19 @@ whole-row log-sums (`specdec.core.logsum`) and their next token's draw from chun
   rounding of a chunk's mass, ~1e-7);
 - `draft`: a draft step's q̃ and candidate (`specdec.core.proposal.propose_step`): the
   window, the processors' cut, the integer weights and the draw, as the torch path computes
-  them (tokens of equal z in the window ordered by id: torch's topk orders ties as it likes);
+  them (tokens of equal logit in the window ordered by id: torch's topk orders ties as it likes);
 - `argmax`: greedy's first maximum of a row (`specdec.core.reduce.first_argmax`): one
   vectorised pass over blocks' maxima, then the first block holding the maximum;
 - `top`: the processors' window of a row (`specdec.core.processed.top_window`, torch.topk's
   values; tokens of equal logit by id): the blocks' maxima bound the window from below, so
-  only the values above that bound are sorted (~2.7× torch's topk at a 64-value window); the
-  draft's step selects its window the same way;
+  only the values above that bound are sorted (~2.7× torch's topk at a 64-value window);
 - `window`: a sampling row's window and its processors' cuts (`specdec.core.processed.
   _thresholds`: τ, whether the nucleus fits the window, log Z, top-p's log-mass) in one call, for
   every CPU row of more than `WIDE` values, few or many (the small-batch path's `cuts_few`
   and the batched `cuts` are torch's ops): the same window, τ and fits as `top` then `cuts`,
   log Z to ~1e-14 (the window's float64 sums: the same terms, std::exp, in rank order); the
-  whole-row sums are `lse`'s. One session's sampling verify pass at 8k values, every
+  whole-row sums are `lse`'s; the draft's step (`draft`) takes its window and cut the same
+  way (`window_row`). One session's sampling verify pass at 8k values, every
   candidate accepted: 0.94 → 0.39 ms (`python -m bench.math --quick`, one thread).
 Exps are ATen's own, one call a row; none is asked for exp(−inf) or a subnormal result, which
 take its slow path (~7× and ~180× a value's cost here).

@@ -167,8 +167,15 @@ def first_round(graphs: SamplingGraphs) -> tuple[torch.Tensor, torch.Tensor]:
     target = torch.randn(2, VOCAB, generator=gen) * 0.7
     draft = target[0] + 0.5 * torch.randn(VOCAB, generator=gen)
     params = SamplingParams(temperature=0.9, top_p=0.9)
+    return (*gamma_one_rounds(target, draft, params, TRIALS, graphs), target, params)
+
+
+def gamma_one_rounds(target, draft, params, trials: int, graphs=None):
+    """γ = 1 rounds of `trials` sessions, 2,000 at once: the draft proposes from its row
+    (K = `Q_ENTRIES` in q̃), the target verifies against its two rows; (first tokens, bonus
+    tokens of the sessions that accepted — −1 elsewhere)."""
     out_first, out_bonus = [], []
-    for start in range(0, TRIALS, 2_000):
+    for start in range(0, trials, 2_000):
         n = 2_000
         seeds = seed_tensor(range(start, start + n))
         base = torch.zeros(n, dtype=torch.int64)
@@ -192,7 +199,7 @@ def first_round(graphs: SamplingGraphs) -> tuple[torch.Tensor, torch.Tensor]:
         )
         out_first.append(result.output_tokens[:, 0])
         out_bonus.append(torch.where(result.num_accepted == 1, result.output_tokens[:, 1], -1))
-    return torch.cat(out_first), torch.cat(out_bonus), target, params
+    return torch.cat(out_first), torch.cat(out_bonus)
 
 
 def pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:

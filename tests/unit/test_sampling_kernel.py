@@ -21,7 +21,7 @@ import random
 
 import pytest
 import torch
-from test_fixed_math import first_round, hf_probs, pvalue
+from test_fixed_math import first_round, gamma_one_rounds, hf_probs, pvalue
 from test_small_batch_math import KINDS as SMALL_BATCH_KINDS
 from test_small_batch_math import VOCABS, bits, draft_round, stress_logits, stress_params
 
@@ -31,8 +31,6 @@ from specdec.core.next_token import draw_next
 from specdec.core.params import SamplingParams
 from specdec.core.processed import WINDOW, ProcessorParams, process
 from specdec.core.proposal import dense_q, propose_step
-from specdec.core.rng import seed_tensor
-from specdec.core.verify import DraftBlock, verify_logits
 
 KINDS = ("flat", "flat", "ties", "plateau", "peaked")
 
@@ -467,41 +465,17 @@ def test_negative_control_redrawing_from_p_after_a_rejection_fails(module, monke
 
 
 def window_round(rows: int = 20_000, vocab: int = 4_096):
-    """γ = 1 rounds of `rows` sessions (2,000 at once) over rows of more than `WIDE` values,
-    which the kernel's `window` cuts: the target's first row peaked (a nucleus of ~40 tokens
-    inside the 64-value window: τ and log Z from the window, top-p's mass from the whole row),
-    its second flat (a nucleus of thousands, finished past the window); the draft proposes from
-    the first row plus noise (K = 32). (first tokens, bonus tokens — −1 where rejected, target
-    rows, params)."""
+    """γ = 1 rounds of `rows` sessions over rows of more than `WIDE` values, which the kernel's
+    `window` cuts: the target's first row peaked (a nucleus of ~30 tokens inside the 64-value
+    window: τ and log Z from the window, top-p's mass from the whole row), its second flat (a
+    nucleus of thousands, finished past the window); the draft proposes from the first row plus
+    noise. (first tokens, bonus tokens — −1 where rejected, target rows, params)."""
     gen = torch.Generator().manual_seed(31)
     target = torch.randn(2, vocab, generator=gen) * torch.tensor([[1.0], [0.7]])
     target[0, torch.randperm(vocab, generator=gen)[:40]] += 6.0
     draft = target[0] + 0.5 * torch.randn(vocab, generator=gen)
     params = SamplingParams(temperature=0.9, top_p=0.9)
-    first, bonus = [], []
-    for start in range(0, rows, 2_000):
-        seeds = seed_tensor(range(start, start + 2_000))
-        base = torch.zeros(2_000, dtype=torch.int64)
-        step = propose_step(
-            draft.expand(2_000, -1), [params] * 2_000, seeds, base, 32, [False] * 2_000
-        )
-        block = DraftBlock(
-            step.tokens[:, None],
-            torch.ones(2_000, dtype=torch.int64),
-            step.dist_ids[:, None],
-            step.dist_weights[:, None].double(),
-        )
-        result = verify_logits(
-            target.expand(2_000, -1, -1),
-            torch.zeros(2_000, dtype=torch.bool),
-            ProcessorParams.of([params] * 2_000),
-            block,
-            seeds,
-            base,
-        )
-        first.append(result.output_tokens[:, 0])
-        bonus.append(torch.where(result.num_accepted == 1, result.output_tokens[:, 1], -1))
-    return torch.cat(first), torch.cat(bonus), target, params
+    return (*gamma_one_rounds(target, draft, params, rows), target, params)
 
 
 @pytest.mark.slow

@@ -290,6 +290,17 @@ void select_top(const float* row, int64_t vocab, int64_t width, TopScratch& s, i
   for (int64_t j = 0; j < width; ++j) out[j] = static_cast<int64_t>(s.keys[j] & 0xffffffffu);
 }
 
+// One sampling row's window and cut (`window`, and the draft's step): the ids of the `width`
+// largest logits (`select_top`) into ids, their z = logits / t (as torch divides) into z, and
+// `cut_row` over them
+Cut window_row(const float* row, int64_t vocab, float t, int64_t width, int64_t top_k,
+               double top_p, double min_p, TopScratch& top, std::vector<float>& scratch,
+               int64_t* ids, float* z) {
+  select_top(row, vocab, width, top, ids);
+  for (int64_t j = 0; j < width; ++j) z[j] = row[ids[j]] / t;
+  return cut_row(row, vocab, t, z, width, top_k, top_p, min_p, scratch);
+}
+
 // rows [R, vocab] as a contiguous float32 CPU tensor
 torch::Tensor float_rows(torch::Tensor x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), name,
@@ -446,7 +457,7 @@ torch::Tensor lse(torch::Tensor logits, torch::Tensor temperature, torch::Tensor
 // A draft step's q̃ and candidate for each sampled row (proposal.py, `propose_step`): the
 // processed distribution's kept set {z ≥ τ} (temperature, top-k, top-p on the top-k
 // renormalised distribution, min-p, as processed.py cuts them from a window of the W largest
-// z, W = max(64, K)), q̃ = its K largest tokens with integer weights round(65535 · exp(z − z_max))
+// logits, W = max(64, K): `window_row`), q̃ = its K largest tokens with integer weights round(65535 · exp(z − z_max))
 // (half to even), and the candidate drawn from q̃ by inverse CDF in rank order with the row's
 // uniform u. logits [S, vocab] float32; temperature, top_k, top_p, min_p, u: S values each (the
 // temperature rounded to float32); k: q̃'s entries -> (tokens [S], ids [S, k], weights [S, k])
@@ -467,26 +478,23 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
   auto tokens = torch::empty({rows}, torch::kInt64);
   auto ids = torch::empty({rows, k}, torch::kInt64);
   auto weights = torch::empty({rows, k}, torch::kInt64);
-  std::vector<float> z(vocab), scratch;
+  std::vector<float> z(width), scratch;
   std::vector<int64_t> top(width);
-  std::vector<float> window_z(width);
   TopScratch window;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = logits.data_ptr<float>() + r * vocab;
     const float t = static_cast<float>(temperature[r]);  // as torch.tensor(float32) rounds it
-    for (int64_t v = 0; v < vocab; ++v) z[v] = row[v] / t;
-    select_top(z.data(), vocab, width, window, top.data());  // the W largest z, descending
-    for (int64_t j = 0; j < width; ++j) window_z[j] = z[top[j]];
-    const float z_max = window_z[0];
-    const float tau = cut_row(row, vocab, t, window_z.data(), width, top_k[r], top_p[r], min_p[r],
-                              scratch)
+    // the window (the W largest logits, descending) as z, and the processors' cut
+    const float tau = window_row(row, vocab, t, width, top_k[r], top_p[r], min_p[r], window,
+                                 scratch, top.data(), z.data())
                           .tau;
+    const float z_max = z[0];
     // q̃: the K largest, integer weights; the candidate by inverse CDF over them
     int64_t* row_ids = ids.data_ptr<int64_t>() + r * k;
     int64_t* row_weights = weights.data_ptr<int64_t>() + r * k;
     double total = 0.0;
     for (int64_t j = 0; j < k; ++j) {
-      const float zj = z[top[j]];
+      const float zj = z[j];
       row_ids[j] = top[j];
       row_weights[j] = zj >= tau ? static_cast<int64_t>(std::nearbyint(
                                        std::exp(static_cast<double>(zj) - z_max) * 65535.0))
@@ -539,12 +547,10 @@ std::vector<torch::Tensor> window(torch::Tensor logits, torch::Tensor temperatur
     const float t = temp.data_ptr<float>()[r];
     const int64_t k = tk.data_ptr<int64_t>()[r];
     TORCH_CHECK(k <= width || k >= vocab, "width: below a row's top-k");
-    int64_t* row_ids = ids.data_ptr<int64_t>() + r * width;
     float* row_z = z.data_ptr<float>() + r * width;
-    select_top(row, vocab, width, top, row_ids);
-    for (int64_t j = 0; j < width; ++j) row_z[j] = row[row_ids[j]] / t;  // as torch divides
-    const Cut cut = cut_row(row, vocab, t, row_z, width, k, tp.data_ptr<double>()[r],
-                            mp.data_ptr<double>()[r], scratch);
+    const Cut cut = window_row(row, vocab, t, width, k, tp.data_ptr<double>()[r],
+                               mp.data_ptr<double>()[r], top, scratch,
+                               ids.data_ptr<int64_t>() + r * width, row_z);
     double lz = std::numeric_limits<double>::quiet_NaN();
     if (with_log_z)
       lz = width < vocab && row_z[width - 1] >= cut.tau && cut.fits
