@@ -329,6 +329,19 @@ def test_windows_of_rows_with_minus_infinity(compiled, params):
     assert set(window_differences(got, x, pp, width, True).values()) == {0}
 
 
+def test_a_top_k_past_the_window_is_found_in_the_whole_row(compiled):
+    """`_thresholds` widens the window past every top-k, but a narrower one still cuts top-k
+    right: its τ is the k-th largest z of the whole row (as the wider window has it)."""
+    x = stress_logits(torch.Generator().manual_seed(1), 4, 8192, "flat")
+    pp = ProcessorParams.of([SamplingParams(temperature=0.8, top_k=k) for k in (0, 65, 100, 500)])
+    rows = (pp.temperature, pp.top_k, pp.top_p, pp.min_p)
+    narrow = compiled.window(x, *rows, 64, True)[0]
+    wide = compiled.window(x, *rows, 501, True)[0]
+    kth = (x / 0.8).sort(dim=1, descending=True).values[torch.arange(4), (pp.top_k - 1).clamp(0)]
+    assert torch.equal(narrow, wide) and torch.equal(narrow[1:], kth[1:])
+    assert narrow[0] == -torch.inf
+
+
 def test_negative_control_a_window_cut_slightly_off_is_caught(compiled):
     """The comparison sees a kernel cutting at 0.1 % less top-p (τ), and at 1 % more min-p."""
     caught = {"tau_p": 0, "tau_m": 0}

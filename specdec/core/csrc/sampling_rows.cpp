@@ -520,7 +520,7 @@ std::vector<torch::Tensor> draft(torch::Tensor logits, const std::vector<double>
 // `with_log_z`, log Z = log Σ_{z ≥ τ} exp(z): from the window (float64) unless kept tokens run
 // past it in a row whose nucleus fits (the whole row, `row_log_sum`; a row that does not fit
 // is finished by the caller). logits [R, vocab] float32; temperature [R] float32; top_k, top_p,
-// min_p [R] (0, 1, 0 = off); width ≥ every top-k below the vocabulary -> (τ [R] float32,
+// min_p [R] (0, 1, 0 = off); width (a top-k past it is found in the whole row) -> (τ [R] float32,
 // log Z [R] float64 (NaN without with_log_z), fits [R] bool, log_k [R] float64 (NaN without
 // top-p), z [R, width] float32, ids [R, width] int64)
 std::vector<torch::Tensor> window(torch::Tensor logits, torch::Tensor temperature,
@@ -546,7 +546,6 @@ std::vector<torch::Tensor> window(torch::Tensor logits, torch::Tensor temperatur
     const float* row = logits.data_ptr<float>() + r * vocab;
     const float t = temp.data_ptr<float>()[r];
     const int64_t k = tk.data_ptr<int64_t>()[r];
-    TORCH_CHECK(k <= width || k >= vocab, "width: below a row's top-k");
     float* row_z = z.data_ptr<float>() + r * width;
     const Cut cut = window_row(row, vocab, t, width, k, tp.data_ptr<double>()[r],
                                mp.data_ptr<double>()[r], top, scratch,
