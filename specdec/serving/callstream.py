@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +51,18 @@ CODES = {code.value[0]: code for code in grpc.StatusCode}
 # A batched stream's message stops taking more calls past this size (a call's full-prefix
 # resync can be large; gRPC's message limit is 64 MB); one larger call still goes alone.
 BATCH_BYTES = 4 << 20
+
+
+if sys.version_info >= (3, 11):
+
+    async def within(awaitable, seconds: float | None):
+        """`await awaitable` with a deadline, in the calling task: no task of its own and one
+        wake-up fewer than `asyncio.wait_for` (3.11's `asyncio.timeout`)."""
+        async with asyncio.timeout(seconds):
+            return await awaitable
+
+else:  # pragma: no cover - Python 3.10
+    within = asyncio.wait_for
 
 
 def call_error(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
@@ -106,7 +119,8 @@ async def serve_calls(
                 await context.write(reply)
             return
         unsent.append(reply)
-        await asyncio.sleep(0)  # the other replies finished in this turn join this one
+        if len(calls) > 1:  # the other replies finished in this turn join this one
+            await asyncio.sleep(0)
         async with writing:
             if unsent:  # else another call's message carried it
                 message = replies_cls(replies=unsent)
@@ -115,10 +129,10 @@ async def serve_calls(
 
     async def answer(call) -> None:
         reply = reply_cls(call_id=call.call_id)
-        work = handler(call.request, CallContext(call.metadata))
         try:
             timeout = call.timeout_ms / 1000 if call.timeout_ms else None
-            reply.response.CopyFrom(await asyncio.wait_for(work, timeout))
+            work = handler(call.request, CallContext(call.metadata))
+            reply.response.CopyFrom(await within(work, timeout))
         except CallAborted as exc:
             reply.status.code, reply.status.message = exc.code.value[0], exc.details
         except asyncio.TimeoutError:
@@ -215,7 +229,7 @@ class CallLane:
             )
         )
         try:
-            return await asyncio.wait_for(answer, timeout)
+            return await within(answer, timeout)
         except asyncio.TimeoutError:
             raise call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except asyncio.CancelledError:  # as a unary call's cancellation, the worker stops

@@ -355,3 +355,61 @@ def test_a_cancelled_call_stops_the_workers_work_on_it(loop_thread, model_dirs, 
             await worker.service.batcher.stop()
 
     loop_thread.run(run())
+
+
+def test_the_worker_ends_a_call_at_its_own_deadline(loop_thread, model_dirs, batched):
+    """The worker enforces each call's `timeout_ms` itself (a caller that sent it is not
+    needed to give up first): a call whose handler would take 1 s ends DEADLINE_EXCEEDED after
+    its 150 ms and the handler is cancelled; the control, the same call with 5 s, is answered
+    after the second and its handler is not cancelled."""
+    worker = start_tier("target", loop_thread, model_dirs["target"], max_wait_ms=1.0)
+    verify_once = worker.service.Verify
+    seen: list[str] = []
+
+    async def slow(request, context):
+        try:
+            seen.append("started")
+            await asyncio.sleep(1.0)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        return await verify_once(request, context)
+
+    worker.service.Verify = slow
+
+    async def call_with(stream, call_id: int, timeout_ms: int):
+        call = target_pb2.VerifyCall(
+            call_id=call_id,
+            request=verify_request(f"dl-{call_id}", PROMPTS[call_id], [11]),
+            timeout_ms=timeout_ms,
+        )
+        start = time.monotonic()
+        await stream.write(target_pb2.VerifyCalls(calls=[call]) if batched else call)
+        message = await stream.read()
+        reply = message.replies[0] if batched else message
+        assert reply.call_id == call_id
+        return reply, time.monotonic() - start
+
+    async def run():
+        channel, _, _, target, _ = lanes(worker.address, batched)
+        stream = (target.VerifyBatches if batched else target.VerifyStream)()
+        try:
+            reply, elapsed = await call_with(stream, 1, 150)
+            assert reply.status.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            assert 0.1 < elapsed < 0.8, elapsed
+            for _ in range(100):
+                if "cancelled" in seen:
+                    break
+                await asyncio.sleep(0.01)
+            assert seen == ["started", "cancelled"]
+            seen.clear()
+            reply, elapsed = await call_with(stream, 2, 5000)  # the control
+            assert reply.status.code == 0 and reply.response.output_ids, reply
+            assert elapsed >= 1.0 and seen == ["started"]
+        finally:
+            stream.cancel()
+            await channel.close()
+            await worker.server.server.stop(0)
+            await worker.service.batcher.stop()
+
+    loop_thread.run(run())
