@@ -313,24 +313,31 @@ def test_a_retired_stream_answers_its_calls_before_it_ends(
     loop_thread.run(run())
 
 
+def watched(worker, seconds: float, first_only: bool = False) -> list[str]:
+    """Make the worker's Verify sleep `seconds` first (only its first call with `first_only`)
+    and record in the returned list when such a handler started and when it was cancelled."""
+    verify = worker.service.Verify
+    seen: list[str] = []
+
+    async def slow(request, context):
+        if not (first_only and seen):
+            try:
+                seen.append("started")
+                await asyncio.sleep(seconds)
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+        return await verify(request, context)
+
+    worker.service.Verify = slow
+    return seen
+
+
 def test_a_cancelled_call_stops_the_workers_work_on_it(loop_thread, model_dirs, batched):
     """As a unary call's cancellation: the worker's handler is cancelled (it would otherwise
     sleep 2 s and then run a forward pass); the stream serves the next call."""
     worker = start_tier("target", loop_thread, model_dirs["target"], max_wait_ms=1.0)
-    verify_once = worker.service.Verify
-    seen: list[str] = []
-
-    async def slow_first(request, context):
-        if not seen:
-            try:
-                seen.append("started")
-                await asyncio.sleep(2.0)
-            except asyncio.CancelledError:
-                seen.append("cancelled")
-                raise
-        return await verify_once(request, context)
-
-    worker.service.Verify = slow_first
+    seen = watched(worker, 2.0, first_only=True)
 
     async def run():
         channel, verify, *_ = lanes(worker.address, batched)
@@ -363,19 +370,7 @@ def test_the_worker_ends_a_call_at_its_own_deadline(loop_thread, model_dirs, bat
     its 150 ms and the handler is cancelled; the control, the same call with 5 s, is answered
     after the second and its handler is not cancelled."""
     worker = start_tier("target", loop_thread, model_dirs["target"], max_wait_ms=1.0)
-    verify_once = worker.service.Verify
-    seen: list[str] = []
-
-    async def slow(request, context):
-        try:
-            seen.append("started")
-            await asyncio.sleep(1.0)
-        except asyncio.CancelledError:
-            seen.append("cancelled")
-            raise
-        return await verify_once(request, context)
-
-    worker.service.Verify = slow
+    seen = watched(worker, 1.0)
 
     async def call_with(stream, call_id: int, timeout_ms: int):
         call = target_pb2.VerifyCall(
