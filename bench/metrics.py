@@ -80,6 +80,11 @@ def acceptance(records: list[dict]) -> dict:
     gamma_sum = sum(
         float(s.get("mean_speculative_tokens", 0.0)) * int(s.get("rounds", 0)) for s in stats
     )
+    per_gamma: list[int] = []
+    for s in stats:
+        for g, n in enumerate(s.get("rounds_per_gamma", [])):
+            per_gamma += [0] * (g + 1 - len(per_gamma))
+            per_gamma[g] += int(n)
     return {
         "rounds": rounds,
         "draft_tokens": proposed,
@@ -90,7 +95,18 @@ def acceptance(records: list[dict]) -> dict:
         "accepted_per_position": [n / rounds for n in per_position] if rounds else [],
         "alpha": accepted / (accepted + rejected) if accepted + rejected else None,
         "mean_gamma": gamma_sum / rounds if rounds else 0.0,
+        "rounds_per_gamma": per_gamma,
     }
+
+
+def gamma_mix(acc: dict) -> dict[int, float]:
+    """The share of a run's rounds at each γ (from `rounds_per_gamma`); a run recorded without
+    it (older stats) counts as all rounds at its mean γ."""
+    per_gamma = acc.get("rounds_per_gamma") or []
+    total = sum(per_gamma)
+    if not total:
+        return {acc.get("mean_gamma") or 0.0: 1.0}
+    return {g: n / total for g, n in enumerate(per_gamma) if n}
 
 
 def interpolate_v(v: dict, gamma: float) -> float:
@@ -105,26 +121,36 @@ def interpolate_v(v: dict, gamma: float) -> float:
     return points[lo] + (points[hi] - points[lo]) * (gamma - lo) / (hi - lo)
 
 
-def model_bound(alpha: float | None, gamma: float, costs: dict, rho: float = 0.0) -> dict:
+def round_model(alpha: float, gamma: float, costs: dict) -> tuple[float, float]:
+    """(E, cost) of one round at γ: expected tokens, and time in target steps (γ·c + v(γ);
+    a round without candidates is one step, one token)."""
+    if gamma <= 0:
+        return 1.0, 1.0
+    return _expected(alpha, gamma), gamma * costs["c"] + interpolate_v(costs["v"], gamma)
+
+
+def model_bound(alpha: float | None, gamma: float | dict, costs: dict, rho: float = 0.0) -> dict:
     """Synchronous speedup S = E / (γ·c + v(γ) + ρ) and the tokens/s it allows at batch 1.
 
     The loop in coordinator/loop.py drafts and verifies one after the other, so the synchronous
-    model applies. ρ = 0 gives the bound (no network, no coordination); a fractional γ (the
-    adaptive policy's mean) is used as is, which is an approximation.
+    model applies. ρ = 0 gives the bound (no network, no coordination). `gamma` may be a mix
+    {γ: share of rounds} (`gamma_mix`: the adaptive policy's rounds): then E and the round's
+    cost are the mix's averages, S = Σ p·E(γ) / (Σ p·(γ·c + v(γ)) + ρ) — tokens over time of
+    the rounds the policy ran. A fractional γ alone (a mean) is an approximation.
     """
     alpha = alpha or 0.0
-    if gamma <= 0:
-        speedup = 1.0 / (1.0 + rho)
-    else:
-        speedup = _expected(alpha, gamma) / (
-            gamma * costs["c"] + interpolate_v(costs["v"], gamma) + rho
-        )
+    mix = gamma if isinstance(gamma, dict) else {gamma: 1.0}
+    expected = sum(p * round_model(alpha, g, costs)[0] for g, p in mix.items())
+    cost = sum(p * round_model(alpha, g, costs)[1] for g, p in mix.items())
+    speedup = expected / (cost + rho)
     return {
         "speedup": speedup,
         "tokens_per_s": speedup * 1000.0 / costs["target_step_ms"],
         "alpha": alpha,
-        "gamma": gamma,
+        "gamma": sum(p * g for g, p in mix.items()),
         "rho": rho,
+        "expected_tokens_per_round": expected,
+        "cost_steps_per_round": cost,
     }
 
 

@@ -24,34 +24,41 @@ def find(rows: list[dict], contender: str, mode: str, concurrency: int) -> dict 
 
 
 def bound_for(row: dict, costs: dict) -> dict:
-    """Model bound (ρ = 0) for a specdec row, its measured decode rate, and the implied ρ."""
+    """Model bound (ρ = 0) for a specdec row, its measured decode rate, and the implied ρ.
+    A fixed γ is its own; the adaptive policy's bound is over the γ mix of its rounds
+    (`metrics.gamma_mix`), with the bound at its mean γ alongside (the earlier approximation)."""
     acc = row["acceptance"]
-    gamma = FIXED_GAMMA.get(row["contender"], acc["mean_gamma"])
+    fixed = FIXED_GAMMA.get(row["contender"])
+    mix = {fixed: 1.0} if fixed is not None else metrics.gamma_mix(acc)
     alpha = acc["alpha"] or 0.0
-    bound = metrics.model_bound(alpha, gamma, costs)
+    bound = metrics.model_bound(alpha, mix, costs)
     measured = row["decode_tokens_per_s_per_request"]
     step_s = costs["target_step_ms"] / 1000.0
     measured_speedup = measured * step_s
-    if gamma > 0:
-        e = metrics._expected(alpha, gamma)
-        implied_rho = (
-            e / measured_speedup - gamma * costs["c"] - metrics.interpolate_v(costs["v"], gamma)
-        )
-    else:
-        implied_rho = 1.0 / measured_speedup - 1.0
+    # ρ that makes the model match: S = E / (cost + ρ)
+    implied_rho = (
+        bound["expected_tokens_per_round"] / measured_speedup - bound["cost_steps_per_round"]
+    )
+    gamma = bound["gamma"]
+    at_mean = metrics.model_bound(alpha, gamma, costs)
     return {
         **key(row),
         "alpha": alpha,
         "gamma": gamma,
-        "expected_tokens_per_round": metrics._expected(alpha, gamma) if gamma > 0 else 1.0,
+        "gamma_mix": {str(g): p for g, p in sorted(mix.items())},
+        "expected_tokens_per_round": bound["expected_tokens_per_round"],
         "c": costs["c"],
-        "v": metrics.interpolate_v(costs["v"], gamma) if gamma > 0 else 1.0,
+        "v": sum(
+            p * (metrics.interpolate_v(costs["v"], g) if g > 0 else 1.0) for g, p in mix.items()
+        ),
         "bound_speedup": bound["speedup"],
         "bound_tokens_per_s": bound["tokens_per_s"],
         "measured_decode_tokens_per_s": measured,
         "measured_over_bound": measured / bound["tokens_per_s"],
         "implied_rho": implied_rho,
         "implied_overhead_ms_per_round": implied_rho * costs["target_step_ms"],
+        "bound_tokens_per_s_at_mean_gamma": at_mean["tokens_per_s"],
+        "measured_over_bound_at_mean_gamma": measured / at_mean["tokens_per_s"],
     }
 
 
@@ -60,17 +67,24 @@ def batch_bound_for(row: dict, batch: dict, n: int) -> dict:
     sessions in flight, from the in-process passes at batch n (`bench.inproc`, "batch_costs"):
     the sessions in lock-step, each round one draft step of n sessions per candidate, then
     one target pass of n × (γ + 1) positions, so n·E(α̂, γ) tokens per round; speculation off
-    is one pass of n × 1 a token. γ: the row's (the adaptive policy's mean, the pass time
+    is one pass of n × 1 a token. γ: the row's, or the adaptive policy's mix of rounds
+    (`metrics.gamma_mix`: tokens and time averaged over it; a mean γ alone takes the pass time
     interpolated between whole γ)."""
     acc = row.get("acceptance") or {}
-    gamma = FIXED_GAMMA.get(row["contender"], acc.get("mean_gamma") or 0.0)
+    fixed = FIXED_GAMMA.get(row["contender"])
+    mix = {fixed: 1.0} if fixed is not None else metrics.gamma_mix(acc)
     alpha = acc.get("alpha") or 0.0
     passes = {int(k) - 1: ms for k, ms in batch["pass_ms"].items()}  # by γ
     off_ms = passes[0]
-    low = min(int(gamma), max(passes) - 1)
-    pass_ms = passes[low] + (passes[low + 1] - passes[low]) * (gamma - low)
+
+    def pass_at(gamma: float) -> float:
+        low = min(int(gamma), max(passes) - 1)
+        return passes[low] + (passes[low + 1] - passes[low]) * (gamma - low)
+
+    pass_ms = sum(p * pass_at(g) for g, p in mix.items())
+    gamma = sum(p * g for g, p in mix.items())
     draft_ms = gamma * batch["draft_step_ms"]
-    tokens = metrics._expected(alpha, gamma) if gamma > 0 else 1.0
+    tokens = sum(p * (metrics._expected(alpha, g) if g > 0 else 1.0) for g, p in mix.items())
     bound = n * tokens / ((pass_ms + draft_ms) / 1000.0)
     off_bound = n / (off_ms / 1000.0)
     return {

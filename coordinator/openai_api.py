@@ -204,6 +204,7 @@ def speculation(stats: coordinator_pb2.GenerationStats) -> dict[str, Any]:
         "rounds": stats.rounds,
         "drafts": stats.drafts,
         "mean_speculative_tokens": stats.mean_speculative_tokens,
+        "rounds_per_gamma": list(stats.rounds_per_gamma),
         "alpha": stats.alpha,
     }
 

@@ -15,6 +15,7 @@ class Stats:
     accepted_tokens: int = 0
     rejection_rounds: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    rounds_per_gamma: list[int] = field(default_factory=list)  # [g] = rounds verifying g
     gamma_sum: int = 0
     draft_failovers: int = 0
     target_failovers: int = 0
@@ -29,13 +30,15 @@ class Stats:
         raw = stored.get("_raw", {})
         stats = cls(**{k: v for k, v in raw.items() if k in names})
         stats.accepted_per_position = list(stats.accepted_per_position or [])
+        stats.rounds_per_gamma = list(stats.rounds_per_gamma or [])
         return stats
 
     def raw(self) -> dict:
         """The counters as they are now (`dataclasses.asdict` without its deep copy of each
-        number: only the list needs one, the round after changes it in place)."""
+        number: only the lists need one, the round after changes them in place)."""
         raw = {f.name: getattr(self, f.name) for f in fields(self)}
         raw["accepted_per_position"] = list(self.accepted_per_position)
+        raw["rounds_per_gamma"] = list(self.rounds_per_gamma)
         return raw
 
     def count_round(self, gamma: int, accepted: int) -> None:
@@ -49,6 +52,9 @@ class Stats:
             self.accepted_per_position += [0] * (gamma - len(self.accepted_per_position))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+        if len(self.rounds_per_gamma) <= gamma:
+            self.rounds_per_gamma += [0] * (gamma + 1 - len(self.rounds_per_gamma))
+        self.rounds_per_gamma[gamma] += 1
 
     def as_dict(self, prompt_tokens: int, generated: int, elapsed_s: float) -> dict:
         """GenerationStats fields, plus the raw counters under `_raw` (for a takeover)."""
@@ -64,6 +70,7 @@ class Stats:
             "acceptance_rate": accepted / self.draft_tokens if self.draft_tokens else 0.0,
             "mean_acceptance_length": (accepted + self.rounds) / rounds if self.rounds else 0.0,
             "accepted_per_position": list(self.accepted_per_position),
+            "rounds_per_gamma": list(self.rounds_per_gamma),
             "alpha": alpha_hat(accepted, self.rejection_rounds),
             "time_to_first_token_ms": 1000.0 * (self.first_token_s or 0.0),
             "total_time_ms": 1000.0 * elapsed_s,

@@ -51,7 +51,22 @@ def _counters(text: str) -> dict[str, float]:
     }
     values["length"] = sample(text, "specdec_requests_total", finish_reason="LENGTH") or 0.0
     values.update({f"pos{p}": v for p, v in per_pos.items()})
+    values.update({f"gamma<={g}": v for g, v in gamma_buckets(text).items()})
     return values
+
+
+def gamma_buckets(text: str) -> dict[int, float]:
+    """Rounds whose γ was at most g, for g = 0 .. 8 (the γ histogram's cumulative buckets)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(range(9), 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name != "specdec_num_speculative_tokens_bucket" or s.labels["le"] == "+Inf":
+                continue
+            if (le := float(s.labels["le"])) in out:
+                out[int(le)] = s.value
+    return out
 
 
 def test_metrics_equal_the_requests_generation_stats(observed):
@@ -80,6 +95,9 @@ def test_metrics_equal_the_requests_generation_stats(observed):
     }
     per_position = list(stats.accepted_per_position) + [0] * 8
     expected.update({f"pos{p}": per_position[p] for p in range(8)})
+    per_gamma = list(stats.rounds_per_gamma) + [0] * 9
+    expected.update({f"gamma<={g}": sum(per_gamma[: g + 1]) for g in range(9)})
+    assert sum(stats.rounds_per_gamma) == stats.rounds
     assert delta == expected
 
 

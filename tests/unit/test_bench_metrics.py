@@ -36,9 +36,11 @@ def test_acceptance_sums_requests_and_recovers_rejections():
     a = {"rounds": 10, "draft_tokens": 40, "accepted_tokens": 24, "alpha": 24 / 30}
     a["accepted_per_position"] = [8, 7, 5, 4]
     a["mean_speculative_tokens"] = 4.0
+    a["rounds_per_gamma"] = [0, 0, 0, 0, 10]
     b = {"rounds": 5, "draft_tokens": 10, "accepted_tokens": 5, "alpha": 0.5}
     b["accepted_per_position"] = [3, 2]
     b["mean_speculative_tokens"] = 2.0
+    b["rounds_per_gamma"] = [1, 0, 4]
     acc = metrics.acceptance([record(1, 0.1, 10, stats=a), record(1, 0.1, 10, stats=b)])
     assert acc["rejection_rounds"] == 6 + 5
     assert acc["acceptance_rate"] == pytest.approx(29 / 50)
@@ -46,6 +48,10 @@ def test_acceptance_sums_requests_and_recovers_rejections():
     assert acc["accepted_per_position"] == pytest.approx([11 / 15, 9 / 15, 5 / 15, 4 / 15])
     assert acc["alpha"] == pytest.approx(29 / 40)
     assert acc["mean_gamma"] == pytest.approx((40 + 10) / 15)
+    assert acc["rounds_per_gamma"] == [1, 0, 4, 0, 10]
+    assert metrics.gamma_mix(acc) == pytest.approx({0: 1 / 15, 2: 4 / 15, 4: 10 / 15})
+    # stats recorded without the histogram: every round at the mean γ
+    assert metrics.gamma_mix({"mean_gamma": 2.5}) == {2.5: 1.0}
     off = metrics.acceptance([record(1, 0.1, 10, stats={"rounds": 10})])
     assert off["acceptance_rate"] is None and off["mean_acceptance_length"] is None
 
@@ -71,6 +77,52 @@ def test_model_bound_matches_the_performance_model():
     assert metrics.interpolate_v(costs["v"], 3) == pytest.approx(1.6)
     assert metrics.interpolate_v(costs["v"], 0.5) == pytest.approx(1.1)
     assert metrics.model_bound(0.7, 0, costs, rho=0.25)["speedup"] == pytest.approx(0.8)
+
+
+def test_the_bound_of_a_mix_of_gammas_is_its_tokens_over_its_time():
+    """Hand-computed: a quarter of the rounds without candidates, a quarter at γ = 2, half at
+    γ = 4. The bound at the mix's mean γ (2.5) overstates it: E is concave in γ."""
+    costs = {"c": 0.1, "v": {"1": 1.2, "2": 1.4, "4": 1.8}, "target_step_ms": 20.0}
+    e2, e4 = 1 + 0.7 + 0.49, (1 - 0.7**5) / 0.3
+    tokens = 0.25 * 1 + 0.25 * e2 + 0.5 * e4
+    steps = 0.25 * 1 + 0.25 * (0.2 + 1.4) + 0.5 * (0.4 + 1.8)
+    bound = metrics.model_bound(0.7, {0: 0.25, 2: 0.25, 4: 0.5}, costs)
+    assert bound["expected_tokens_per_round"] == pytest.approx(tokens)
+    assert bound["cost_steps_per_round"] == pytest.approx(steps)
+    assert bound["speedup"] == pytest.approx(tokens / steps)
+    assert bound["gamma"] == pytest.approx(2.5)
+    assert metrics.model_bound(0.7, 2.5, costs)["speedup"] > bound["speedup"]
+    # one γ as a mix is that γ
+    assert metrics.model_bound(0.7, {4: 1.0}, costs) == metrics.model_bound(0.7, 4, costs)
+
+
+def test_the_adaptive_rows_bound_is_over_its_rounds_and_reports_the_mean_too():
+    from bench.report import bound_for
+
+    costs = {"c": 0.1, "v": {"1": 1.2, "2": 1.4, "4": 1.8}, "target_step_ms": 20.0}
+    acceptance = {"alpha": 0.7, "mean_gamma": 2.5, "rounds_per_gamma": [5, 0, 5, 0, 10]}
+    row = {
+        "contender": "specdec_adaptive",
+        "mode": "greedy",
+        "concurrency": 1,
+        "acceptance": acceptance,
+        "decode_tokens_per_s_per_request": 60.0,
+    }
+    b = bound_for(row, costs)
+    mixed = metrics.model_bound(0.7, {0: 0.25, 2: 0.25, 4: 0.5}, costs)
+    assert b["bound_tokens_per_s"] == pytest.approx(mixed["tokens_per_s"])
+    assert b["measured_over_bound"] == pytest.approx(60.0 / mixed["tokens_per_s"])
+    at_mean = metrics.model_bound(0.7, 2.5, costs)["tokens_per_s"]
+    assert b["bound_tokens_per_s_at_mean_gamma"] == pytest.approx(at_mean)
+    assert b["gamma_mix"] == {"0": 0.25, "2": 0.25, "4": 0.5}
+    # ρ that makes the model match: E / (cost + ρ) = the measured speedup (60 tok/s × 20 ms)
+    rho = mixed["expected_tokens_per_round"] / 1.2 - mixed["cost_steps_per_round"]
+    assert b["implied_rho"] == pytest.approx(rho)
+    # a fixed γ row ignores a histogram: its γ is its own
+    fixed = bound_for({**row, "contender": "specdec_g4"}, costs)
+    assert fixed["bound_tokens_per_s"] == pytest.approx(
+        metrics.model_bound(0.7, 4, costs)["tokens_per_s"]
+    )
 
 
 def test_render_needs_a_full_result():
@@ -111,6 +163,14 @@ def test_batch_bound_is_tokens_of_a_lock_step_round_over_its_passes():
     adaptive = batch_bound_for(batch_row("specdec_adaptive", 0.5, mean_gamma=1.5), batch, 16)
     assert adaptive["pass_ms"] == pytest.approx(44.0)
     assert adaptive["draft_ms"] == pytest.approx(1.5)
+    # with its rounds' γ mix: half without candidates, half at γ = 3
+    row = batch_row("specdec_adaptive", 0.5, mean_gamma=1.5)
+    row["acceptance"]["rounds_per_gamma"] = [6, 0, 0, 6]
+    mixed = batch_bound_for(row, batch, 16)
+    tokens = 0.5 * 1 + 0.5 * (1 + 0.5 + 0.25 + 0.125)
+    assert mixed["expected_tokens_per_round"] == pytest.approx(tokens)
+    assert mixed["pass_ms"] == pytest.approx(0.5 * 32 + 0.5 * 56)
+    assert mixed["bound_tokens_per_s"] == pytest.approx(16 * tokens / ((44.0 + 1.5) / 1000))
     # a pass that grows with every position more than E does: speculation cannot pay
     flat = {"pass_ms": {"1": 30.0, "2": 60.0, "3": 90.0}, "draft_step_ms": 0.0}
     assert batch_bound_for(batch_row("specdec_g2", 0.7), flat, 16)["bound_over_off_bound"] < 1.0

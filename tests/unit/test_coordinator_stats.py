@@ -21,3 +21,8 @@ def test_stored_counters_restore_the_same_stats_and_do_not_move_with_later_round
     restored = Stats.restore(stored)
     assert dataclasses.asdict(restored) == before
     assert restored.accepted_per_position == [2, 2, 1, 0]
+    assert restored.rounds_per_gamma == [0, 0, 0, 1, 1]  # one round at γ = 3, one at 4
+    assert raw["rounds_per_gamma"] == [0, 0, 0, 1, 1] and stats.rounds_per_gamma[4] == 2
+    stats.count_round(0, 0)
+    assert stats.rounds_per_gamma == [1, 0, 0, 1, 2]
+    assert sum(stats.rounds_per_gamma) == stats.rounds
