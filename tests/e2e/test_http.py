@@ -75,8 +75,10 @@ def test_completion_equals_grpc_and_hf_greedy(stack, oai, hf, model, gamma):
     assert out.usage.prompt_tokens == len(hf[1].encode(PROMPT))
     spec = out.model_extra["speculation"]
     assert spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert sum(spec["rounds_per_gamma"]) == spec["rounds"]
     if gamma == 0:
         assert spec["draft_tokens"] == 0 and spec["rounds"] == 20
+        assert spec["rounds_per_gamma"] == [20]
     else:
         assert len(spec["accepted_per_position"]) >= 1
 
