@@ -24,6 +24,10 @@ def per_position(rates: list[float]) -> str:
     return " ".join(f"{r:.2f}".lstrip("0") for r in rates) if rates else "n/a"
 
 
+# what the costs job ran before it ran the workers' own passes (results without "forward")
+OLD_COSTS_FORWARD = "HF's forward with the workers' linear kernel"
+
+
 def cost_threads(costs: dict) -> str:
     """How many threads the in-process costs ran at (older results: one number)."""
     threads = costs.get("threads", 1)
@@ -64,7 +68,8 @@ def header(result: dict) -> list[str]:
         "- Sampling: greedy; and temperature 0.8, top-p 0.95 (top-k off). "
         "HF assisted generation uses HF's default assistant settings "
         f"({meta['hf_assistant_defaults']}).",
-        f"- Per-token costs in-process ({cost_threads(costs)}, KV cache of "
+        f"- Per-token costs in-process ({cost_threads(costs)}, "
+        f"{costs.get('forward', OLD_COSTS_FORWARD)}, KV cache of "
         f"{costs['context_tokens']} tokens): "
         f"target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
         f"c = {costs['c']:.3f}; {v}. Other processes used {fmt(share(costs), 0, '%')} of the "
@@ -147,7 +152,7 @@ def bounds_table(result: dict) -> list[str]:
         "",
         "Synchronous model (the coordinator drafts, then verifies): S = E / (γ·c + v(γ) + ρ) with "
         "E = (1 − α̂^(γ+1)) / (1 − α̂). The bound takes ρ = 0 (no network or coordination), α̂ "
-        "measured in this run, c and v(γ) measured in-process; bound tokens/s = S / target step "
+        "measured in this run, c and v(γ) from the workers' own passes measured in-process; bound tokens/s = S / target step "
         f"({costs['target_step_ms']:.2f} ms). Measured = decode tokens/s per request (1 / mean TPOT). "
         "Implied ρ = the per-round overhead (in target steps, and in ms) that makes the model match "
         "the measurement. For the adaptive policy, whose rounds run different γ, E and the "
@@ -219,8 +224,8 @@ def breakdown_table(result: dict) -> list[str]:
         "The stack's draft and target workers driven directly by the benchmark, one session, as "
         "the coordinator drives them (median ms per round, first round excluded). Worker forward "
         "= the worker's own forward time; RPC + handling = client-side call time minus it "
-        "(gRPC, protobuf, base checks, KV bookkeeping, sampling). In-process = the same work "
-        "in plain HF at the workers' threads. Stack round = the full stack's time per round at concurrency 1 "
+        "(gRPC, protobuf, base checks, KV bookkeeping, sampling). In-process = the same passes "
+        "of the workers' own runtime, in one process, at the workers' threads. Stack round = the full stack's time per round at concurrency 1 "
         "(TPOT × tokens per round); coordinator = stack round − direct round (Redis commit, "
         "streaming, asyncio scheduling).",
         "",

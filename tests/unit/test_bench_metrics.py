@@ -199,6 +199,30 @@ def test_batch_costs_job_times_passes_as_the_workers_run_them(model_dirs):
         assert all(ms > 0 for ms in costs["pass_ms"].values()) and costs["draft_step_ms"] > 0
 
 
+def test_costs_job_times_the_workers_own_passes_at_one_session(model_dirs):
+    """The bound's per-token costs come from the workers' runtime (not HF's forward): a step,
+    a draft step and verifies of γ+1 tokens, with c and v(γ) their ratios."""
+    from bench.inproc import measure_costs
+
+    job = {
+        "target_model": model_dirs["target"],
+        "draft_model": model_dirs["draft"],
+        "linear_kernel": "auto",
+        "context": list(range(5, 40)),
+        "max_gamma": 2,
+        "reps": 2,
+        "warmup": 1,
+        "target_threads": 2,
+        "draft_threads": 1,
+    }
+    out = measure_costs(job)
+    assert out["forward"].startswith("the workers' runtime")
+    assert out["threads"] == {"target": 2, "draft": 1} and out["context_tokens"] == 35
+    assert sorted(out["verify_ms"]) == [1, 2] and out["target_step_ms"] > 0
+    assert out["c"] == pytest.approx(out["draft_step_ms"] / out["target_step_ms"])
+    assert out["v"][2] == pytest.approx(out["verify_ms"][2] / out["target_step_ms"])
+
+
 def test_goals_are_the_performance_issues_measured_side_by_side():
     """Each goal from hand-set rows: met exactly at its threshold, not met just below it."""
     from bench.report import goals
