@@ -121,6 +121,11 @@ def interpolate_v(v: dict, gamma: float) -> float:
     return points[lo] + (points[hi] - points[lo]) * (gamma - lo) / (hi - lo)
 
 
+def round_tokens(alpha: float, gamma: float) -> float:
+    """E of one round at γ (a round without candidates commits one token)."""
+    return _expected(alpha, gamma) if gamma > 0 else 1.0
+
+
 def round_model(alpha: float, gamma: float, costs: dict) -> tuple[float, float]:
     """(E, cost) of one round at γ: expected tokens, and time in target steps (γ·c + v(γ);
     a round without candidates is one step, one token)."""
@@ -140,8 +145,9 @@ def model_bound(alpha: float | None, gamma: float | dict, costs: dict, rho: floa
     """
     alpha = alpha or 0.0
     mix = gamma if isinstance(gamma, dict) else {gamma: 1.0}
-    expected = sum(p * round_model(alpha, g, costs)[0] for g, p in mix.items())
-    cost = sum(p * round_model(alpha, g, costs)[1] for g, p in mix.items())
+    rounds = [(p, *round_model(alpha, g, costs)) for g, p in mix.items()]
+    expected = sum(p * tokens for p, tokens, _ in rounds)
+    cost = sum(p * steps for p, _, steps in rounds)
     speedup = expected / (cost + rho)
     return {
         "speedup": speedup,

@@ -48,9 +48,7 @@ def bound_for(row: dict, costs: dict) -> dict:
         "gamma_mix": {str(g): p for g, p in sorted(mix.items())},
         "expected_tokens_per_round": bound["expected_tokens_per_round"],
         "c": costs["c"],
-        "v": sum(
-            p * (metrics.interpolate_v(costs["v"], g) if g > 0 else 1.0) for g, p in mix.items()
-        ),
+        "v": bound["cost_steps_per_round"] - costs["c"] * gamma,  # the mix's mean v(γ)
         "bound_speedup": bound["speedup"],
         "bound_tokens_per_s": bound["tokens_per_s"],
         "measured_decode_tokens_per_s": measured,
@@ -84,7 +82,7 @@ def batch_bound_for(row: dict, batch: dict, n: int) -> dict:
     pass_ms = sum(p * pass_at(g) for g, p in mix.items())
     gamma = sum(p * g for g, p in mix.items())
     draft_ms = gamma * batch["draft_step_ms"]
-    tokens = sum(p * (metrics._expected(alpha, g) if g > 0 else 1.0) for g, p in mix.items())
+    tokens = sum(p * metrics.round_tokens(alpha, g) for g, p in mix.items())
     bound = n * tokens / ((pass_ms + draft_ms) / 1000.0)
     off_bound = n / (off_ms / 1000.0)
     return {
