@@ -127,6 +127,7 @@ def stack_row(
     row = make_row(name, mode["name"], concurrency, run["requests"], run["wall_s"])
     row["other_cpu"], row["repeats"], row["runs"] = share, repeats, rates
     row["acceptance"] = metrics.acceptance(run["requests"])
+    row["passes"] = metrics.passes(run["requests"])
     row.update({k: row["acceptance"][k] for k in ("acceptance_rate", "mean_acceptance_length")})
     return row, {**key(row), "wall_s": run["wall_s"], "requests": run["requests"]}
 

@@ -99,6 +99,29 @@ def acceptance(records: list[dict]) -> dict:
     }
 
 
+def passes(records: list[dict]) -> dict | None:
+    """Where a run's request time went, from each request's own stats: the workers' pass times
+    for its rounds (`draft_forward_ms`, `verify_forward_ms`) against its `total_time_ms`, summed
+    over the requests (at concurrency 1, one after another: the run's time). None for a run
+    recorded without them (older stats, HF peers)."""
+    stats = [r["stats"] for r in records]
+    if not stats or any("verify_forward_ms" not in s for s in stats):
+        return None
+    total = sum(float(s.get("total_time_ms", 0.0)) for s in stats)
+    draft = sum(float(s.get("draft_forward_ms", 0.0)) for s in stats)
+    verify = sum(float(s.get("verify_forward_ms", 0.0)) for s in stats)
+    rounds = sum(int(s.get("rounds", 0)) for s in stats)
+    return {
+        "rounds": rounds,
+        "total_ms": total,
+        "draft_forward_ms": draft,
+        "verify_forward_ms": verify,
+        "in_passes": (draft + verify) / total if total > 0 else None,
+        "round_ms": total / rounds if rounds else None,
+        "pass_ms_per_round": (draft + verify) / rounds if rounds else None,
+    }
+
+
 def gamma_mix(acc: dict) -> dict[int, float]:
     """The share of a run's rounds at each γ (from `rounds_per_gamma`); a run recorded without
     it (older stats) counts as all rounds at its mean γ."""

@@ -41,6 +41,10 @@ def bound_for(row: dict, costs: dict) -> dict:
     )
     gamma = bound["gamma"]
     at_mean = metrics.model_bound(alpha, gamma, costs)
+    # the same moment's passes: the requests' own pass times against the bound's cost of a round
+    passes = row.get("passes") or {}
+    inprocess_ms = bound["cost_steps_per_round"] * costs["target_step_ms"]
+    stack_ms = passes.get("pass_ms_per_round")
     return {
         **key(row),
         "alpha": alpha,
@@ -57,6 +61,11 @@ def bound_for(row: dict, costs: dict) -> dict:
         "implied_overhead_ms_per_round": implied_rho * costs["target_step_ms"],
         "bound_tokens_per_s_at_mean_gamma": at_mean["tokens_per_s"],
         "measured_over_bound_at_mean_gamma": measured / at_mean["tokens_per_s"],
+        "inprocess_pass_ms_per_round": inprocess_ms,
+        "stack_pass_ms_per_round": stack_ms,
+        "stack_round_ms": passes.get("round_ms"),
+        "stack_passes_over_inprocess": stack_ms / inprocess_ms if stack_ms else None,
+        "in_passes": passes.get("in_passes"),
     }
 
 

@@ -185,6 +185,42 @@ def bounds_table(result: dict) -> list[str]:
     return lines + [""]
 
 
+def passes_table(result: dict) -> list[str]:
+    """The bounded rows' time split by the requests' own stats (`bench.metrics.passes`): the
+    same moment as each measurement, so host drift between the in-process costs and the stack
+    shows as passes slower than in-process, and the rest is what the stack adds."""
+    bounds = [b for b in result["bounds"] if b.get("stack_pass_ms_per_round")]
+    if not bounds:
+        return []
+    lines = [
+        "## Where the bounded rows' time went (concurrency 1, the requests' own stats)",
+        "",
+        "Per round of the row's median run (its requests one after another, prompt pass "
+        "included): stack round = the requests' total time / rounds; in the workers' passes = "
+        "their own draft and target pass times (`draft_forward_ms` + `verify_forward_ms` of "
+        "GenerationStats, verify math included); in-process = the bound's cost of the same "
+        "round (γ·c + v(γ) target steps, the mix's mean for the adaptive rows). In passes = the "
+        "share of the requests' time the workers spent in passes: the stack's share of the "
+        "bound its own passes allow, measured in the same moment (no host drift between the "
+        "two). Passes / in-process > 1: the passes ran slower in the stack than in-process "
+        "(the other processes on the cores, the host's speed then, the prompt's pass).",
+        "",
+        "| mode | contender | stack round ms | in the workers' passes ms | in-process ms "
+        "| passes / in-process | outside passes ms | in passes | measured / bound |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b in bounds:
+        label = next(r["label"] for r in result["rows"] if r["contender"] == b["contender"])
+        outside = b["stack_round_ms"] - b["stack_pass_ms_per_round"]
+        lines.append(
+            f"| {b['mode']} | {label} | {fmt(b['stack_round_ms'], 2)} "
+            f"| {fmt(b['stack_pass_ms_per_round'], 2)} | {fmt(b['inprocess_pass_ms_per_round'], 2)} "
+            f"| {fmt(b['stack_passes_over_inprocess'], 2, '×')} | {fmt(outside, 2)} "
+            f"| {fmt(100 * b['in_passes'], 0, '%')} | {fmt(100 * b['measured_over_bound'], 0, '%')} |"
+        )
+    return lines + [""]
+
+
 def batch_bounds_table(result: dict) -> list[str]:
     """The bound at each concurrency > 1 (`bench.report.batch_bound_for`), if measured."""
     bounds = result.get("batch_bounds") or []
@@ -285,6 +321,7 @@ def definitions() -> list[str]:
 
 def render(result: dict) -> str:
     lines = header(result) + results_table(result) + runs_table(result) + bounds_table(result)
+    lines += passes_table(result)
     lines += batch_bounds_table(result) + breakdown_table(result)
     lines += goals_and_checks(result) + definitions()
     lines += [

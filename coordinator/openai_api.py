@@ -206,6 +206,8 @@ def speculation(stats: coordinator_pb2.GenerationStats) -> dict[str, Any]:
         "mean_speculative_tokens": stats.mean_speculative_tokens,
         "rounds_per_gamma": list(stats.rounds_per_gamma),
         "alpha": stats.alpha,
+        "draft_forward_ms": stats.draft_forward_ms,
+        "verify_forward_ms": stats.verify_forward_ms,
     }
 
 

@@ -29,6 +29,8 @@ class RoundOutcome:
     logprobs: list[str] | None = None  # per token, a JSON entry (when the session has them)
     version: int = 0  # the prefix length the commit's compare-and-set expects
     stats: dict | None = None  # the session's statistics as of this round
+    draft_forward_s: float = 0.0  # the workers' own times for this round's passes
+    verify_forward_s: float = 0.0
 
 
 def logprob_entries(result: target_pb2.VerifyResponse, n: int) -> list[str]:

@@ -285,13 +285,18 @@ class SessionRun(DraftsAhead, RecordsRounds):
             tail = self.output.tail()  # stored only if CancelSession ends the session in Redis
         tokens = output_ids[: step.num_tokens]
         outcome = RoundOutcome(gamma, result.num_accepted, step, tokens, reason, tail)
+        outcome.verify_forward_s = result.forward_ns / 1e9
+        if proposal is not None:
+            outcome.draft_forward_s = proposal.forward_ns / 1e9
         if self.top_logprobs is not None:
             outcome.logprobs = logprob_entries(result, len(tokens))
         return outcome
 
     def advance(self, outcome: RoundOutcome) -> None:
         """Step 4: the round's tokens join the workers' prefix; its commit is prepared."""
-        self.stats.count_round(outcome.gamma, outcome.accepted)
+        self.stats.count_round(
+            outcome.gamma, outcome.accepted, outcome.draft_forward_s, outcome.verify_forward_s
+        )
         if self.stats.first_token_s is None and outcome.tokens:
             self.stats.first_token_s = time.time() - self.started
         outcome.version = len(self.committed)

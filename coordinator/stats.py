@@ -21,6 +21,8 @@ class Stats:
     target_failovers: int = 0
     takeovers: int = 0
     drafted_ahead: int = 0  # rounds whose candidates were drafted during the last verify
+    draft_forward_s: float = 0.0  # the workers' own pass times for this session's rounds
+    verify_forward_s: float = 0.0
     first_token_s: float | None = None
 
     @classmethod
@@ -41,8 +43,12 @@ class Stats:
         raw["rounds_per_gamma"] = list(self.rounds_per_gamma)
         return raw
 
-    def count_round(self, gamma: int, accepted: int) -> None:
+    def count_round(
+        self, gamma: int, accepted: int, draft_forward_s: float = 0.0, verify_forward_s: float = 0.0
+    ) -> None:
         self.rounds += 1
+        self.draft_forward_s += draft_forward_s
+        self.verify_forward_s += verify_forward_s
         self.drafts += int(gamma > 0)
         self.gamma_sum += gamma
         self.draft_tokens += gamma
@@ -80,5 +86,7 @@ class Stats:
             "target_failovers": self.target_failovers,
             "takeovers": self.takeovers,
             "drafted_ahead": self.drafted_ahead,
+            "draft_forward_ms": 1000.0 * self.draft_forward_s,
+            "verify_forward_ms": 1000.0 * self.verify_forward_s,
             "_raw": self.raw(),
         }

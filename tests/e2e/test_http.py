@@ -76,11 +76,14 @@ def test_completion_equals_grpc_and_hf_greedy(stack, oai, hf, model, gamma):
     spec = out.model_extra["speculation"]
     assert spec["accepted_tokens"] <= spec["draft_tokens"]
     assert sum(spec["rounds_per_gamma"]) == spec["rounds"]
+    assert spec["verify_forward_ms"] > 0  # the workers' own pass times
     if gamma == 0:
         assert spec["draft_tokens"] == 0 and spec["rounds"] == 20
         assert spec["rounds_per_gamma"] == [20]
+        assert spec["draft_forward_ms"] == 0  # no proposals, no draft passes
     else:
         assert len(spec["accepted_per_position"]) >= 1
+        assert spec["draft_forward_ms"] > 0
 
 
 def test_token_id_prompt_and_streamed_completion(stack, oai, model, hf):

@@ -55,6 +55,14 @@ def _counters(text: str) -> dict[str, float]:
     return values
 
 
+def _worker_passes(stack) -> dict[str, float]:
+    """Seconds each worker has spent in its batched passes (its forward-time histogram's sum)."""
+    return {
+        tier: sample(scrape(stack.metrics_ports[tier]), "specdec_worker_forward_seconds_sum") or 0.0
+        for tier in ("draft", "target")
+    }
+
+
 def gamma_buckets(text: str) -> dict[int, float]:
     """Rounds whose γ was at most g, for g = 0 .. 8 (the γ histogram's cumulative buckets)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -72,6 +80,7 @@ def gamma_buckets(text: str) -> dict[int, float]:
 def test_metrics_equal_the_requests_generation_stats(observed):
     port = observed.metrics_ports["coordinator"]
     before = _counters(scrape(port))
+    passes_before = _worker_passes(observed)
     with Client(observed.address) as client:
         result = client.generate(
             "class Stack:\n    def push(self, x):",
@@ -82,7 +91,13 @@ def test_metrics_equal_the_requests_generation_stats(observed):
         )
     after = _counters(scrape(port))
     delta = {k: after[k] - before[k] for k in after}
+    passes = {k: v - passes_before[k] for k, v in _worker_passes(observed).items()}
     stats = result.stats
+    # the workers' own pass times, as the request's stats sum them (one session: each pass
+    # is this request's alone), and inside the request's wall time
+    assert stats.draft_forward_ms == pytest.approx(1000 * passes["draft"], rel=1e-9, abs=1e-6)
+    assert stats.verify_forward_ms == pytest.approx(1000 * passes["target"], rel=1e-9, abs=1e-6)
+    assert 0 < stats.draft_forward_ms + stats.verify_forward_ms < stats.total_time_ms
     assert stats.accepted_tokens > 0 and stats.drafts > 0  # the pair agrees often
     expected = {
         "prompt_tokens": stats.prompt_tokens,

@@ -125,6 +125,49 @@ def test_the_adaptive_rows_bound_is_over_its_rounds_and_reports_the_mean_too():
     )
 
 
+def test_a_rows_time_splits_into_the_workers_passes_and_the_rest():
+    """`metrics.passes` sums the requests' own pass times against their total time; the bound
+    compares them with the in-process cost of the same rounds, and the report prints both."""
+    from bench.report import bound_for
+    from bench.tables import passes_table
+
+    a = {"rounds": 10, "total_time_ms": 200.0, "draft_forward_ms": 40.0, "verify_forward_ms": 120.0}
+    b = {
+        "rounds": 30,
+        "total_time_ms": 600.0,
+        "draft_forward_ms": 110.0,
+        "verify_forward_ms": 370.0,
+    }
+    p = metrics.passes([record(0.2, 0.02, 40, stats=a), record(0.6, 0.02, 120, stats=b)])
+    assert p["in_passes"] == pytest.approx(640 / 800)
+    assert p["round_ms"] == pytest.approx(20.0) and p["pass_ms_per_round"] == pytest.approx(16.0)
+    # stats without the pass times (an older run, or a peer's records): nothing to split
+    assert metrics.passes([record(0.2, 0.02, 40, stats={"rounds": 10})]) is None
+    assert metrics.passes([]) is None
+
+    costs = {"c": 0.1, "v": {"1": 1.2, "2": 1.4, "4": 1.8}, "target_step_ms": 5.0}
+    row = {
+        "contender": "specdec_g4",
+        "label": "specdec γ=4",
+        "mode": "greedy",
+        "concurrency": 1,
+        "acceptance": {"alpha": 0.7, "mean_gamma": 4.0},
+        "decode_tokens_per_s_per_request": 150.0,
+        "passes": p,
+    }
+    bound = bound_for(row, costs)
+    # γ·c + v(4) = 0.4 + 1.8 target steps of 5 ms in-process; 16 ms in the stack's passes
+    assert bound["inprocess_pass_ms_per_round"] == pytest.approx(11.0)
+    assert bound["stack_passes_over_inprocess"] == pytest.approx(16.0 / 11.0)
+    assert bound["in_passes"] == pytest.approx(0.8) and bound["stack_round_ms"] == 20.0
+    table = "\n".join(passes_table({"bounds": [bound], "rows": [row]}))
+    assert "| greedy | specdec γ=4 | 20.00 | 16.00 | 11.00 | 1.45× | 4.00 | 80% |" in table
+    # a row measured without the pass times: no split, no table
+    older = bound_for({**row, "passes": None}, costs)
+    assert older["stack_passes_over_inprocess"] is None and older["in_passes"] is None
+    assert passes_table({"bounds": [older], "rows": [row]}) == []
+
+
 def test_render_needs_a_full_result():
     """The report renderer refuses a result without its rows (no silent empty report)."""
     with pytest.raises((KeyError, TypeError)):
