@@ -100,25 +100,36 @@ def acceptance(records: list[dict]) -> dict:
 
 
 def passes(records: list[dict]) -> dict | None:
-    """Where a run's request time went, from each request's own stats: the workers' pass times
-    for its rounds (`draft_forward_ms`, `verify_forward_ms`) against its `total_time_ms`, summed
-    over the requests (at concurrency 1, one after another: the run's time). None for a run
-    recorded without them (older stats, HF peers)."""
+    """Where a run's decode time went, from each request's own stats: the workers' pass times
+    for its rounds (`draft_forward_ms` + `verify_forward_ms`) against its time, both after the
+    first token (less `first_token_forward_ms` and `time_to_first_token_ms`: the prompt's
+    round, whose passes are many times a decode round's), summed over the requests (at
+    concurrency 1 they ran one after another). Stats without the first-token split (recorded
+    before it) give the whole requests' (`decode_only` False). None for a run recorded without
+    the pass times (older stats, HF peers)."""
     stats = [r["stats"] for r in records]
     if not stats or any("verify_forward_ms" not in s for s in stats):
         return None
-    total = sum(float(s.get("total_time_ms", 0.0)) for s in stats)
-    draft = sum(float(s.get("draft_forward_ms", 0.0)) for s in stats)
-    verify = sum(float(s.get("verify_forward_ms", 0.0)) for s in stats)
+    decode_only = all("first_token_forward_ms" in s for s in stats)
+
+    def total(name: str) -> float:
+        return sum(float(s.get(name, 0.0)) for s in stats)
+
+    time_ms = total("total_time_ms")
+    passes_ms = total("draft_forward_ms") + total("verify_forward_ms")
     rounds = sum(int(s.get("rounds", 0)) for s in stats)
+    if decode_only:  # every round after the first
+        time_ms -= total("time_to_first_token_ms")
+        passes_ms -= total("first_token_forward_ms")
+        rounds -= sum(1 for s in stats if int(s.get("rounds", 0)))
     return {
+        "decode_only": decode_only,
         "rounds": rounds,
-        "total_ms": total,
-        "draft_forward_ms": draft,
-        "verify_forward_ms": verify,
-        "in_passes": (draft + verify) / total if total > 0 else None,
-        "round_ms": total / rounds if rounds else None,
-        "pass_ms_per_round": (draft + verify) / rounds if rounds else None,
+        "time_ms": time_ms,
+        "passes_ms": passes_ms,
+        "in_passes": passes_ms / time_ms if time_ms > 0 else None,
+        "round_ms": time_ms / rounds if rounds else None,
+        "pass_ms_per_round": passes_ms / rounds if rounds else None,
     }
 
 

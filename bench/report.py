@@ -66,6 +66,7 @@ def bound_for(row: dict, costs: dict) -> dict:
         "stack_round_ms": passes.get("round_ms"),
         "stack_passes_over_inprocess": stack_ms / inprocess_ms if stack_ms else None,
         "in_passes": passes.get("in_passes"),
+        "decode_only": passes.get("decode_only"),
     }
 
 

@@ -195,15 +195,17 @@ def passes_table(result: dict) -> list[str]:
     lines = [
         "## Where the bounded rows' time went (concurrency 1, the requests' own stats)",
         "",
-        "Per round of the row's median run (its requests one after another, prompt pass "
-        "included): stack round = the requests' total time / rounds; in the workers' passes = "
-        "their own draft and target pass times (`draft_forward_ms` + `verify_forward_ms` of "
-        "GenerationStats, verify math included); in-process = the bound's cost of the same "
-        "round (γ·c + v(γ) target steps, the mix's mean for the adaptive rows). In passes = the "
-        "share of the requests' time the workers spent in passes: the stack's share of the "
-        "bound its own passes allow, measured in the same moment (no host drift between the "
-        "two). Passes / in-process > 1: the passes ran slower in the stack than in-process "
-        "(the other processes on the cores, the host's speed then, the prompt's pass).",
+        "Per decode round of the row's median run (its requests one after another, after "
+        "each one's first token; `bench.metrics.passes`): stack round = the requests' time / "
+        "rounds; in the workers' passes = their own draft and target pass times "
+        "(`draft_forward_ms` + `verify_forward_ms` of GenerationStats, less "
+        "`first_token_forward_ms`; verify math included); in-process = the bound's cost of the "
+        "same round (γ·c + v(γ) target steps, the mix's mean for the adaptive rows). In passes "
+        "= the share of the decode the workers spent in passes: the stack's share of the bound "
+        "its own passes allow, measured in the same moment (no host drift between the two). "
+        "Passes / in-process > 1: the passes ran slower in the stack than in-process (the "
+        "other processes on the cores, the host's speed then). Rows recorded before the "
+        "first-token split count the whole requests (marked *).",
         "",
         "| mode | contender | stack round ms | in the workers' passes ms | in-process ms "
         "| passes / in-process | outside passes ms | in passes | measured / bound |",
@@ -213,7 +215,8 @@ def passes_table(result: dict) -> list[str]:
         label = next(r["label"] for r in result["rows"] if r["contender"] == b["contender"])
         outside = b["stack_round_ms"] - b["stack_pass_ms_per_round"]
         lines.append(
-            f"| {b['mode']} | {label} | {fmt(b['stack_round_ms'], 2)} "
+            f"| {b['mode']} | {label}{'' if b['decode_only'] else ' *'} "
+            f"| {fmt(b['stack_round_ms'], 2)} "
             f"| {fmt(b['stack_pass_ms_per_round'], 2)} | {fmt(b['inprocess_pass_ms_per_round'], 2)} "
             f"| {fmt(b['stack_passes_over_inprocess'], 2, '×')} | {fmt(outside, 2)} "
             f"| {fmt(100 * b['in_passes'], 0, '%')} | {fmt(100 * b['measured_over_bound'], 0, '%')} |"

@@ -208,6 +208,7 @@ def speculation(stats: coordinator_pb2.GenerationStats) -> dict[str, Any]:
         "alpha": stats.alpha,
         "draft_forward_ms": stats.draft_forward_ms,
         "verify_forward_ms": stats.verify_forward_ms,
+        "first_token_forward_ms": stats.first_token_forward_ms,
     }
 
 

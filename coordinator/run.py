@@ -298,7 +298,7 @@ class SessionRun(DraftsAhead, RecordsRounds):
             outcome.gamma, outcome.accepted, outcome.draft_forward_s, outcome.verify_forward_s
         )
         if self.stats.first_token_s is None and outcome.tokens:
-            self.stats.first_token_s = time.time() - self.started
+            self.stats.first_token(time.time() - self.started)
         outcome.version = len(self.committed)
         outcome.stats = self.stats.as_dict(
             len(self.prompt), self.produced + len(outcome.tokens), time.time() - self.started

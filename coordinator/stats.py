@@ -23,6 +23,7 @@ class Stats:
     drafted_ahead: int = 0  # rounds whose candidates were drafted during the last verify
     draft_forward_s: float = 0.0  # the workers' own pass times for this session's rounds
     verify_forward_s: float = 0.0
+    first_token_forward_s: float = 0.0  # both, until the first token (set with first_token_s)
     first_token_s: float | None = None
 
     @classmethod
@@ -62,6 +63,11 @@ class Stats:
             self.rounds_per_gamma += [0] * (gamma + 1 - len(self.rounds_per_gamma))
         self.rounds_per_gamma[gamma] += 1
 
+    def first_token(self, elapsed_s: float) -> None:
+        """The first token was committed `elapsed_s` after the request: the prompt's part ends."""
+        self.first_token_s = elapsed_s
+        self.first_token_forward_s = self.draft_forward_s + self.verify_forward_s
+
     def as_dict(self, prompt_tokens: int, generated: int, elapsed_s: float) -> dict:
         """GenerationStats fields, plus the raw counters under `_raw` (for a takeover)."""
         rounds = max(self.rounds, 1)
@@ -88,5 +94,6 @@ class Stats:
             "drafted_ahead": self.drafted_ahead,
             "draft_forward_ms": 1000.0 * self.draft_forward_s,
             "verify_forward_ms": 1000.0 * self.verify_forward_s,
+            "first_token_forward_ms": 1000.0 * self.first_token_forward_s,
             "_raw": self.raw(),
         }

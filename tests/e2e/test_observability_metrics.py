@@ -98,6 +98,9 @@ def test_metrics_equal_the_requests_generation_stats(observed):
     assert stats.draft_forward_ms == pytest.approx(1000 * passes["draft"], rel=1e-9, abs=1e-6)
     assert stats.verify_forward_ms == pytest.approx(1000 * passes["target"], rel=1e-9, abs=1e-6)
     assert 0 < stats.draft_forward_ms + stats.verify_forward_ms < stats.total_time_ms
+    # the prompt's round: its passes inside the time to the first token, and not all of them
+    assert 0 < stats.first_token_forward_ms < stats.time_to_first_token_ms
+    assert stats.first_token_forward_ms < stats.draft_forward_ms + stats.verify_forward_ms
     assert stats.accepted_tokens > 0 and stats.drafts > 0  # the pair agrees often
     expected = {
         "prompt_tokens": stats.prompt_tokens,

@@ -131,16 +131,26 @@ def test_a_rows_time_splits_into_the_workers_passes_and_the_rest():
     from bench.report import bound_for
     from bench.tables import passes_table
 
-    a = {"rounds": 10, "total_time_ms": 200.0, "draft_forward_ms": 40.0, "verify_forward_ms": 120.0}
+    # two requests: 11 and 31 rounds, the first of each (the prompt's) 40 ms with 36 in passes
+    a = {"rounds": 11, "total_time_ms": 240.0, "draft_forward_ms": 50.0, "verify_forward_ms": 146.0}
     b = {
-        "rounds": 30,
-        "total_time_ms": 600.0,
-        "draft_forward_ms": 110.0,
-        "verify_forward_ms": 370.0,
+        "rounds": 31,
+        "total_time_ms": 640.0,
+        "draft_forward_ms": 120.0,
+        "verify_forward_ms": 396.0,
     }
-    p = metrics.passes([record(0.2, 0.02, 40, stats=a), record(0.6, 0.02, 120, stats=b)])
+    for stats in (a, b):
+        stats.update(time_to_first_token_ms=40.0, first_token_forward_ms=36.0)
+    p = metrics.passes([record(0.24, 0.04, 40, stats=a), record(0.64, 0.04, 120, stats=b)])
+    # after the first token: 40 rounds, 800 ms, 640 in passes
+    assert p["decode_only"] and p["rounds"] == 40
     assert p["in_passes"] == pytest.approx(640 / 800)
     assert p["round_ms"] == pytest.approx(20.0) and p["pass_ms_per_round"] == pytest.approx(16.0)
+    # stats from before the first-token split: the whole requests
+    whole = [{k: v for k, v in s.items() if k != "first_token_forward_ms"} for s in (a, b)]
+    w = metrics.passes([record(0.24, 0.04, 40, stats=s) for s in whole])
+    assert not w["decode_only"] and w["rounds"] == 42
+    assert w["in_passes"] == pytest.approx(712 / 880)
     # stats without the pass times (an older run, or a peer's records): nothing to split
     assert metrics.passes([record(0.2, 0.02, 40, stats={"rounds": 10})]) is None
     assert metrics.passes([]) is None
