@@ -95,6 +95,8 @@ def batch_bound_for(row: dict, batch: dict, n: int) -> dict:
     tokens = sum(p * metrics.round_tokens(alpha, g) for g, p in mix.items())
     bound = n * tokens / ((pass_ms + draft_ms) / 1000.0)
     off_bound = n / (off_ms / 1000.0)
+    # the passes the stack's sessions were in, by their own stats (each counts its batch's)
+    stack_ms = (row.get("passes") or {}).get("pass_ms_per_round")
     return {
         **key(row),
         "sessions": n,
@@ -107,6 +109,8 @@ def batch_bound_for(row: dict, batch: dict, n: int) -> dict:
         "bound_over_off_bound": bound / off_bound,
         "measured_tokens_per_s": row["tokens_per_s"],
         "measured_over_bound": row["tokens_per_s"] / bound,
+        "stack_pass_ms": stack_ms,
+        "stack_passes_over_inprocess": stack_ms / (pass_ms + draft_ms) if stack_ms else None,
     }
 
 

@@ -238,11 +238,15 @@ def batch_bounds_table(result: dict) -> list[str]:
         "network, coordination or verify math. α̂ measured in this run; for the adaptive policy "
         "tokens and time are averaged over its rounds' γ mix (γ, pass and draft ms below are the "
         "mix's means). bound / off = the most this γ can gain over speculation off "
-        "on these workers; measured = aggregate tokens/s.",
+        "on these workers; measured = aggregate tokens/s. Stack passes = the draft and target "
+        "passes a session's decode round was in, by the requests' own stats (mean over "
+        "session-rounds, each counting its whole batched pass), against the in-process target "
+        "pass + draft ms: how much slower the same passes ran among the stack's other "
+        "processes.",
         "",
         "| mode | contender | N | α̂ | γ | E | target pass ms | draft ms | bound tok/s "
-        "| bound / off | measured tok/s | measured / bound |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| bound / off | measured tok/s | measured / bound | stack passes ms | stack / in-process |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in bounds:
         label = next(r["label"] for r in result["rows"] if r["contender"] == b["contender"])
@@ -251,7 +255,8 @@ def batch_bounds_table(result: dict) -> list[str]:
             f"| {fmt(float(b['gamma']), 2)} | {fmt(b['expected_tokens_per_round'], 2)} "
             f"| {fmt(b['pass_ms'], 1)} | {fmt(b['draft_ms'], 1)} | {fmt(b['bound_tokens_per_s'])} "
             f"| {fmt(b['bound_over_off_bound'], 2, '×')} | {fmt(b['measured_tokens_per_s'])} "
-            f"| {fmt(100 * b['measured_over_bound'], 0, '%')} |"
+            f"| {fmt(100 * b['measured_over_bound'], 0, '%')} | {fmt(b.get('stack_pass_ms'), 1)} "
+            f"| {fmt(b.get('stack_passes_over_inprocess'), 2, '×')} |"
         )
     return lines + [""]
 

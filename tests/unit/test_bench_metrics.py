@@ -224,6 +224,13 @@ def test_batch_bound_is_tokens_of_a_lock_step_round_over_its_passes():
     assert mixed["expected_tokens_per_round"] == pytest.approx(tokens)
     assert mixed["pass_ms"] == pytest.approx(0.5 * 32 + 0.5 * 56)
     assert mixed["bound_tokens_per_s"] == pytest.approx(16 * tokens / ((44.0 + 1.5) / 1000))
+    # the passes the stack's sessions were in (their own stats), against the in-process ones
+    timed = batch_row("specdec_g2", 0.7)
+    timed["passes"] = {"pass_ms_per_round": 75.0}
+    g2 = batch_bound_for(timed, batch, 16)
+    assert g2["stack_pass_ms"] == 75.0
+    assert g2["stack_passes_over_inprocess"] == pytest.approx(75.0 / 50.0)  # 48 + 2·1 ms
+    assert batch_bound_for(batch_row("specdec_g2", 0.7), batch, 16)["stack_pass_ms"] is None
     # a pass that grows with every position more than E does: speculation cannot pay
     flat = {"pass_ms": {"1": 30.0, "2": 60.0, "3": 90.0}, "draft_step_ms": 0.0}
     assert batch_bound_for(batch_row("specdec_g2", 0.7), flat, 16)["bound_over_off_bound"] < 1.0
