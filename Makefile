@@ -13,6 +13,7 @@ STUBS := specdec/v1/coordinator_pb2.py
 all: proto
 
 $(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "specdec needs Python 3.11 or newer (transformers 5, numpy 2.4, scipy 1.17); $(PYTHON) is " + sys.version.split()[0] + ": make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[dev]'

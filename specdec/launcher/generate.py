@@ -142,7 +142,8 @@ def generate(argv: list[str]) -> int:
                 f"[{s.generated_tokens} tokens in {s.total_time_ms:.0f} ms = {s.tokens_per_second:.1f} tok/s, "
                 f"TTFT {s.time_to_first_token_ms:.0f} ms | acceptance rate {s.acceptance_rate:.3f}, "
                 f"mean acceptance length {s.mean_acceptance_length:.2f}, α̂ {s.alpha:.3f}, "
-                f"rounds {s.rounds}, mean γ {s.mean_speculative_tokens:.2f}]"
+                f"rounds {s.rounds}, mean γ {s.mean_speculative_tokens:.2f} | in the workers' "
+                f"passes: draft {s.draft_forward_ms:.0f} ms, target {s.verify_forward_ms:.0f} ms]"
             )
         return 0
     except grpc.RpcError as exc:

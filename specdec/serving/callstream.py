@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -53,16 +52,11 @@ CODES = {code.value[0]: code for code in grpc.StatusCode}
 BATCH_BYTES = 4 << 20
 
 
-if sys.version_info >= (3, 11):
-
-    async def within(awaitable, seconds: float | None):
-        """`await awaitable` with a deadline, in the calling task: no task of its own and one
-        wake-up fewer than `asyncio.wait_for` (3.11's `asyncio.timeout`)."""
-        async with asyncio.timeout(seconds):
-            return await awaitable
-
-else:  # pragma: no cover - Python 3.10
-    within = asyncio.wait_for
+async def within(awaitable, seconds: float | None):
+    """`await awaitable` with a deadline, in the calling task: no task of its own and one
+    wake-up fewer than `asyncio.wait_for`."""
+    async with asyncio.timeout(seconds):
+        return await awaitable
 
 
 def call_error(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:

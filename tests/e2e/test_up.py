@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,6 +155,22 @@ def test_cli_chat_equals_hugging_face_generate(up, hf):
     assert cli.returncode == 0, cli.stderr
     response = json.loads(cli.stdout)
     assert [int(t) for t in response["token_ids"]] == hf_greedy(hf, CHAT, N)
+    # the text and the statistics line; its pass times are the response's own
+    stats = response["stats"]
+    assert float(stats["verify_forward_ms"]) > 0 and float(stats["draft_forward_ms"]) >= 0
+    cli = subprocess.run(
+        [*SPECDEC, "generate", "--addr", up["address"], "--chat", "--stats", "--ignore-eos"]
+        + ["--max-new-tokens", str(N), CHAT[0]["content"]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    line = cli.stdout.strip().splitlines()[-1]
+    assert re.search(
+        r"\[\d+ tokens in \d+ ms .* in the workers' passes: draft \d+ ms, target \d+ ms\]$", line
+    ), line
 
 
 def test_openai_chat_equals_hugging_face_generate_streamed_or_not(up, hf):
