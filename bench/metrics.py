@@ -163,9 +163,8 @@ def round_tokens(alpha: float, gamma: float) -> float:
 def round_model(alpha: float, gamma: float, costs: dict) -> tuple[float, float]:
     """(E, cost) of one round at γ: expected tokens, and time in target steps (γ·c + v(γ);
     a round without candidates is one step, one token)."""
-    if gamma <= 0:
-        return 1.0, 1.0
-    return _expected(alpha, gamma), gamma * costs["c"] + interpolate_v(costs["v"], gamma)
+    steps = gamma * costs["c"] + interpolate_v(costs["v"], gamma) if gamma > 0 else 1.0
+    return round_tokens(alpha, gamma), steps
 
 
 def model_bound(alpha: float | None, gamma: float | dict, costs: dict, rho: float = 0.0) -> dict:

@@ -28,6 +28,11 @@ def per_position(rates: list[float]) -> str:
 OLD_COSTS_FORWARD = "HF's forward with the workers' linear kernel"
 
 
+def label_of(result: dict, contender: str) -> str:
+    """A contender's label, as its rows have it."""
+    return next(r["label"] for r in result["rows"] if r["contender"] == contender)
+
+
 def cost_threads(costs: dict) -> str:
     """How many threads the in-process costs ran at (older results: one number)."""
     threads = costs.get("threads", 1)
@@ -164,7 +169,7 @@ def bounds_table(result: dict) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in result["bounds"]:
-        label = next(r["label"] for r in result["rows"] if r["contender"] == b["contender"])
+        label = label_of(result, b["contender"])
         lines.append(
             f"| {b['mode']} | {label} | {fmt(b['alpha'], 3)} | {fmt(float(b['gamma']), 2)} "
             f"| {fmt(b['expected_tokens_per_round'], 2)} | {fmt(b['v'], 2)} | {fmt(b['bound_speedup'], 2, '×')} "
@@ -212,7 +217,7 @@ def passes_table(result: dict) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in bounds:
-        label = next(r["label"] for r in result["rows"] if r["contender"] == b["contender"])
+        label = label_of(result, b["contender"])
         outside = b["stack_round_ms"] - b["stack_pass_ms_per_round"]
         lines.append(
             f"| {b['mode']} | {label}{'' if b['decode_only'] else ' *'} "
@@ -249,7 +254,7 @@ def batch_bounds_table(result: dict) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in bounds:
-        label = next(r["label"] for r in result["rows"] if r["contender"] == b["contender"])
+        label = label_of(result, b["contender"])
         lines.append(
             f"| {b['mode']} | {label} | {b['sessions']} | {fmt(b['alpha'], 3)} "
             f"| {fmt(float(b['gamma']), 2)} | {fmt(b['expected_tokens_per_round'], 2)} "

@@ -143,29 +143,27 @@ def test_greedy_equals_hugging_face_generate(up, hf, prompt):
                 assert result.stats.draft_tokens > 0
 
 
-def test_cli_chat_equals_hugging_face_generate(up, hf):
-    cli = subprocess.run(
-        [*SPECDEC, "generate", "--addr", up["address"], "--chat", "--json", "--ignore-eos"]
+def generate_cli(up, output: str) -> subprocess.CompletedProcess:
+    """`specdec generate --chat` of the test's chat prompt, `output` = --json or --stats."""
+    return subprocess.run(
+        [*SPECDEC, "generate", "--addr", up["address"], "--chat", output, "--ignore-eos"]
         + ["--max-new-tokens", str(N), CHAT[0]["content"]],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_cli_chat_equals_hugging_face_generate(up, hf):
+    cli = generate_cli(up, "--json")
     assert cli.returncode == 0, cli.stderr
     response = json.loads(cli.stdout)
     assert [int(t) for t in response["token_ids"]] == hf_greedy(hf, CHAT, N)
     # the text and the statistics line; its pass times are the response's own
     stats = response["stats"]
     assert float(stats["verify_forward_ms"]) > 0 and float(stats["draft_forward_ms"]) >= 0
-    cli = subprocess.run(
-        [*SPECDEC, "generate", "--addr", up["address"], "--chat", "--stats", "--ignore-eos"]
-        + ["--max-new-tokens", str(N), CHAT[0]["content"]],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cli = generate_cli(up, "--stats")
     assert cli.returncode == 0, cli.stderr
     line = cli.stdout.strip().splitlines()[-1]
     assert re.search(
