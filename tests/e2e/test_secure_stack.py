@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_faults import live_address as live
 from test_faults import reference, stream_and_kill
 from test_generate import PROMPTS, hf_greedy
+from up_process import stop
 
 from specdec.client import Client
 from specdec.launcher.stack import Stack, StackSettings
@@ -324,6 +325,4 @@ def test_specdec_up_with_tls_and_a_key_end_to_end(model_dirs):
         assert process.wait(60) == 0
         assert not os.path.exists(ca), "the throwaway CA outlived the stack"
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stop(process)  # a failed assertion above: Ctrl-C, so nothing it started outlives it

@@ -21,6 +21,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+from up_process import stop
 
 from specdec.client import Client, build_request
 from specdec.serving.redis_embedded import free_port
@@ -88,9 +89,7 @@ def up(smollm2_dir):
             "banner": "".join(lines),
         }
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stop(process)  # where the module's own Ctrl-C test did not run (-k, a failure)
 
 
 @pytest.fixture(scope="module")
