@@ -551,3 +551,51 @@ def test_bench_run_repeats_flag_and_runs_table():
     }
     assert "| greedy | 1 | x | 2.0 | 3.0, 1.0, 2.0 |" in runs_table({"rows": [row]})
     assert runs_table({"rows": [{**row, "runs": [2.0]}]}) == []
+
+
+def test_goals_between_stack_rows_say_how_each_repeat_went():
+    """Two repeats: each stack goal also gives the ratio of the contenders' runs of each repeat
+    (measured side by side), the never-below goal the worst cell of each repeat; goals against
+    the HF peers, rows without runs and a run of one repeat give none. The table shows the
+    column only where some goal has it."""
+    from bench.report import goals
+    from bench.tables import goals_and_checks
+
+    runs = {  # (contender, concurrency) -> runs of two repeats
+        ("hf_assisted", 16): [100.0, 100.0],
+        ("specdec_off", 16): [450.0, 540.0],
+        ("specdec_g2", 16): [583.0, 633.0],
+        ("specdec_g4", 16): [478.0, 542.0],
+        ("specdec_adaptive", 16): [489.0, 476.0],
+        ("specdec_off", 1): [90.0, 100.0],
+        ("specdec_adaptive", 1): [120.0, 95.0],
+    }
+    rows = [
+        {"contender": c, "mode": m, "concurrency": n, "tokens_per_s": min(r), "runs": r}
+        for m in ("greedy", "sampling")
+        for (c, n), r in runs.items()
+    ]
+    by_goal = {g["goal"]: g for g in goals(rows, [], [1, 16])}
+    within = by_goal["conc 16 greedy: adaptive within 5% of the best fixed γ"]
+    assert within["value"] == pytest.approx(476 / 583) and not within["met"]
+    assert within["per_repeat"] == pytest.approx([489 / 583, 476 / 633])
+    load = by_goal["conc 16 greedy: adaptive ≥ 1.3× speculation off"]
+    assert load["per_repeat"] == pytest.approx([489 / 450, 476 / 540])
+    never = by_goal["adaptive never below speculation off (any mode, any conc)"]
+    assert never["per_repeat"] == pytest.approx(
+        [min(489 / 450, 120 / 90), min(476 / 540, 95 / 100)]
+    )
+    assert "per_repeat" not in by_goal["conc 16 greedy: adaptive ≥ 3× HF assisted (aggregate)"]
+    table = "\n".join(goals_and_checks({"goals": list(by_goal.values()), "greedy_checks": {}}))
+    assert "| goal | measured | per repeat | met |" in table
+    assert f"| 0.82 | {489 / 583:.2f}, {476 / 633:.2f} | **no** |" in table
+
+    one_repeat = [{**r, "runs": r["runs"][:1]} for r in rows]
+    no_runs = [{k: v for k, v in r.items() if k != "runs"} for r in rows]
+    uneven = [{**r, "runs": r["runs"][:1]} if r["contender"] == "specdec_g2" else r for r in rows]
+    for other in (one_repeat, no_runs, uneven):
+        found = goals(other, [], [1, 16])
+        within = next(g for g in found if g["goal"].startswith("conc 16 greedy: adaptive within"))
+        assert "per_repeat" not in within
+    table = "\n".join(goals_and_checks({"goals": goals(no_runs, [], [1, 16]), "greedy_checks": {}}))
+    assert "| goal | measured | met |" in table and "per repeat" not in table
