@@ -4,6 +4,7 @@ the cost model every session of a coordinator shares (`CostModel`)."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,12 +90,10 @@ class RoundTiming:
             raise ValueError(f"batch_size and batch_positions must be >= 1 in {self}")
 
 
-class CostModel:
-    """Timing estimates shared by every session of one coordinator (see `coordinator.policy`)."""
+class _LoadTimings:
+    """The estimates that move with the load: one set per load level (`CostModel`)."""
 
-    def __init__(self, decay: float = 0.9, fit_decay: float = 0.98) -> None:
-        if not (0.0 < decay <= 1.0 and 0.0 < fit_decay <= 1.0):
-            raise ValueError("decay and fit_decay must be in (0, 1]")
+    def __init__(self, decay: float, fit_decay: float) -> None:
         # target forward seconds against positions: passes that verify candidates, and plain
         # decoding passes (one position per session) apart — a one-token step is often
         # cheaper than the line through the longer passes predicts (a CPU's decode path)
@@ -107,6 +106,37 @@ class CostModel:
         self.draft_net = _Ewma(decay)  # n_d
         self.verify_net = _Ewma(decay)  # n_v
         self.rest = _Ewma(decay)  # r
+
+
+def _of_the_level(name: str) -> property:
+    return property(lambda self: getattr(self.timings[self.level], name))
+
+
+class CostModel:
+    """Timing estimates shared by every session of one coordinator (see `coordinator.policy`).
+
+    What a round costs moves with the load — under load a pass holds more sessions, waits
+    longer and competes for the CPUs — so the timing estimates, like the batch plan, are kept
+    per load level (`timings`; the attributes below are the current level's): back at a load,
+    the sessions plan with what was measured there, not with the last load's figures (a lone
+    session after a burst of 16 on the code pair took the burst's costs and decoded at γ = 0,
+    probing too rarely to learn otherwise: 0.81× of γ = 4, docs/benchmarks.md). A level seen for
+    the first time starts from a copy of the level it comes from. α̂ is shared by all levels."""
+
+    verify_fit = _of_the_level("verify_fit")
+    plain_fit = _of_the_level("plain_fit")
+    draft_step = _of_the_level("draft_step")
+    batch_size = _of_the_level("batch_size")
+    draft_queue = _of_the_level("draft_queue")
+    verify_queue = _of_the_level("verify_queue")
+    draft_net = _of_the_level("draft_net")
+    verify_net = _of_the_level("verify_net")
+    rest = _of_the_level("rest")
+
+    def __init__(self, decay: float = 0.9, fit_decay: float = 0.98) -> None:
+        if not (0.0 < decay <= 1.0 and 0.0 < fit_decay <= 1.0):
+            raise ValueError("decay and fit_decay must be in (0, 1]")
+        self.timings: dict[int, _LoadTimings] = {0: _LoadTimings(decay, fit_decay)}
         self.acceptance = AcceptanceEstimate(0.99)  # over all sessions: a session's prior
         self._last_pass: dict[str, int] = {}  # target worker -> last verify pass fitted
         self.passes = 0  # verify passes fitted so far
@@ -137,6 +167,8 @@ class CostModel:
         if abs(load - self.level) < 0.5 + 0.17:
             return  # within the level or within 1/8 past its boundaries: no change
         level = max(0, round(load))
+        if level not in self.timings:  # a new load: from what the last one measured
+            self.timings[level] = copy.deepcopy(self.timings[self.level])
         plan = self.plans.setdefault(level, BatchPlan())
         plan.resume(self.passes)
         self.level = level
@@ -158,6 +190,7 @@ class CostModel:
 
     def observe(self, gamma: int, t: RoundTiming) -> None:
         t.check()
+        self._track_load()  # first: the round's figures go to the load they were measured at
         v_fwd = t.verify_s if t.verify_forward_s is None else t.verify_forward_s
         positions = t.batch_positions or (gamma + 1) * t.batch_size
         # every session of a pass reports it, one after another: fit each pass once (`!=`, not
@@ -169,7 +202,6 @@ class CostModel:
             (self.plain_fit if plain else self.verify_fit).add(positions, v_fwd)
             self.passes += 1
         self.batch_size.add(t.batch_size)
-        self._track_load()
         if v_fwd > 0:
             self.verify_queue.add(t.verify_queue_s / v_fwd)
         self.verify_net.add(max(t.verify_s - t.verify_queue_s - v_fwd, 0.0))

@@ -33,7 +33,8 @@ of their batched passes, and how many positions the verify pass computed):
   KV sync); r: the rest of the round (commit to Redis, streaming).
 
 The timing estimates live in a `CostModel` shared by all sessions of a coordinator (they measure
-the same workers and network, so a new session starts informed); α̂ is per session:
+the same workers and network, so a new session starts informed), one set per load level like the
+batch plans (back at a load, its sessions plan with what was measured there); α̂ is per session:
 α̂ = (a + α₀·w) / (a + r + w), a = accepted candidates, r = rounds that ended in a rejection
 (the one estimator, `specdec.core.acceptance`), both decayed by `alpha_decay` per speculative round, with a Beta-style
 prior of weight w = `prior_weight` centred on α₀ = `prior_alpha`. All estimates forget

@@ -579,3 +579,54 @@ def test_a_window_charges_a_long_tail_but_not_a_prefill():
     assert statistics.median(tail) == 0.08
     assert 1.04 * 0.08 < typical_round_s(tail) < statistics.fmean(tail)
     assert typical_round_s([0.1, 0.1, 0.1, 1.0]) == pytest.approx(0.1)  # a short window too
+
+
+class _OneCostModelForEveryLoad(CostModel):
+    def _track_load(self) -> None:  # the rule before: one set of timing estimates for all loads
+        shared = self.timings[self.level]
+        super()._track_load()
+        self.timings[self.level] = shared
+
+
+@pytest.mark.parametrize("model_class", [CostModel, _OneCostModelForEveryLoad])
+def test_a_lone_session_after_a_burst_plans_with_the_costs_measured_alone(model_class):
+    """A lone session finds γ = 5 best (cheap verify passes); then 16 sessions share passes 3×
+    as long whose every position costs 4× more; then one session again. Once the smoothed
+    load is back at one session, it plans with what one session measured — the verify fit
+    as before the burst, γ within one of 5. Negative control: with one set of estimates for
+    every load (the rule before) the burst's fit stays (on the stack a lone session after a
+    burst of 16 decoded at γ = 0 for a third of its rounds: 0.81× of γ = 4)."""
+    costs = model_class()
+    running = [1]
+    costs.running = lambda: running[0]
+    lone = Sim(0.8, 0.001, 0.010, 0.0004, 0.001, seed=1)
+    first = AdaptiveGamma(8, costs=costs)
+    lone.run(first, 150)
+    before, fit = first.best_gamma(), costs.verify_fit.coefficients()
+    assert before == 5
+    running[0] = 16
+    burst = Sim(0.8, 0.004, 0.030, 0.0015, 0.004, batch=16, seed=11)
+    sessions = [AdaptiveGamma(8, costs=costs) for _ in range(16)]
+    for n in range(60):
+        for policy in sessions:
+            gamma = policy.choose()
+            timing = burst.timing(gamma)
+            timing.batch_seq, timing.worker = n + 1, "t0"
+            accepted = 0
+            while accepted < gamma and burst.rng.random() < burst.alpha:
+                accepted += 1
+            policy.observe(gamma, accepted, accepted < gamma, timing)
+    assert costs.level == 4
+    running[0] = 1
+    after = AdaptiveGamma(8, costs=costs)
+    for _ in range(200):
+        if costs.level == 0:
+            break
+        lone.round(after, after.choose())
+    assert costs.level == 0
+    if model_class is CostModel:
+        assert costs.verify_fit.coefficients() == pytest.approx(fit, rel=0.05)
+        assert abs(after.best_gamma() - before) <= 1
+    else:
+        assert costs.verify_fit.coefficients()[1] > 4 * fit[1]  # the burst's slope
+        assert after.best_gamma() <= before - 2
