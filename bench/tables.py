@@ -302,18 +302,15 @@ def goals_and_checks(result: dict) -> list[str]:
             "two of the stack's rows): a miss in every repeat is the stack's, one that some "
             "repeats meet lies within this run's spread.",
             "",
-            "| goal | measured | per repeat | met |",
-            "|---|---:|---|---|",
         ]
-    else:
-        lines += ["| goal | measured | met |", "|---|---:|---|"]
+    columns = ["goal", "measured", *(["per repeat"] if per_repeat else []), "met"]
+    lines += ["| " + " | ".join(columns) + " |", "|---|---:|" + "---|" * (len(columns) - 2)]
     for g in result["goals"]:
-        met = "yes" if g["met"] else "**no**"
+        cells = [g["goal"], fmt(g["value"], 2)]
         if per_repeat:
-            runs = ", ".join(fmt(x, 2) for x in g.get("per_repeat", [])) or "-"
-            lines.append(f"| {g['goal']} | {fmt(g['value'], 2)} | {runs} | {met} |")
-        else:
-            lines.append(f"| {g['goal']} | {fmt(g['value'], 2)} | {met} |")
+            cells.append(", ".join(fmt(x, 2) for x in g.get("per_repeat", [])) or "-")
+        cells.append("yes" if g["met"] else "**no**")
+        lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         "## Greedy outputs against HF `generate` (target only)",

@@ -605,17 +605,8 @@ def test_a_lone_session_after_a_burst_plans_with_the_costs_measured_alone(model_
     before, fit = first.best_gamma(), costs.verify_fit.coefficients()
     assert before == 5
     running[0] = 16
-    burst = Sim(0.8, 0.004, 0.030, 0.0015, 0.004, batch=16, seed=11)
-    sessions = [AdaptiveGamma(8, costs=costs) for _ in range(16)]
-    for n in range(60):
-        for policy in sessions:
-            gamma = policy.choose()
-            timing = burst.timing(gamma)
-            timing.batch_seq, timing.worker = n + 1, "t0"
-            accepted = 0
-            while accepted < gamma and burst.rng.random() < burst.alpha:
-                accepted += 1
-            policy.observe(gamma, accepted, accepted < gamma, timing)
+    burst = Sim(0.8, 0.004, 0.030, 0.0015, 0.004, batch=16)
+    batched_run(costs, burst, 60, lambda gamma: 0.0, sessions=16, seed=11)
     assert costs.level == 4
     running[0] = 1
     after = AdaptiveGamma(8, costs=costs)
