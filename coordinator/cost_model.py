@@ -68,7 +68,8 @@ class RoundTiming:
 
     round_s: float
     draft_s: float = 0.0  # wall time of the Propose call (0 when γ = 0)
-    verify_s: float = 0.0  # wall time of the Verify call
+    verify_s: float = 0.0  # wall time of the Verify call (a Prefill before it included)
+    prefill_s: float = 0.0  # of verify_s: a chunked Prefill of a long prefix (a prompt)
     draft_forward_s: float | None = None  # the draft worker's forward time for the γ steps
     draft_queue_s: float = 0.0
     verify_forward_s: float | None = None  # the target's batched forward time
@@ -79,15 +80,20 @@ class RoundTiming:
     worker: str = ""  # the target worker's address
     draft_overlapped: bool = False  # the candidates were drafted ahead (draft_s: waiting only)
     ahead_wait_s: float = 0.0  # after the commit, waiting for the next block drafted ahead
+    draft_tokens: int | None = None  # committed tokens the draft computed before its steps
 
     def check(self) -> None:
         values = [self.round_s, self.draft_s, self.verify_s, self.draft_queue_s]
         values += [self.verify_queue_s, self.draft_forward_s or 0.0, self.verify_forward_s or 0.0]
-        values.append(self.ahead_wait_s)
+        values += [self.ahead_wait_s, self.prefill_s]
         if min(values) < 0:
             raise ValueError(f"negative time in {self}")
+        if self.prefill_s > self.verify_s:
+            raise ValueError(f"prefill_s exceeds verify_s in {self}")
         if self.batch_size < 1 or (self.batch_positions is not None and self.batch_positions < 1):
             raise ValueError(f"batch_size and batch_positions must be >= 1 in {self}")
+        if self.draft_tokens is not None and self.draft_tokens < 0:
+            raise ValueError(f"negative draft_tokens in {self}")
 
 
 class _LoadTimings:
@@ -121,7 +127,18 @@ class CostModel:
     the sessions plan with what was measured there, not with the last load's figures (a lone
     session after a burst of 16 on the code pair took the burst's costs and decoded at γ = 0,
     probing too rarely to learn otherwise: 0.81× of γ = 4, docs/benchmarks.md). A level seen for
-    the first time starts from a copy of the level it comes from. α̂ is shared by all levels."""
+    the first time starts from a copy of the level it comes from. α̂ is shared by all levels.
+
+    Only decoding measures what γ costs, so a prompt's prefill is kept out of the estimates:
+    the chunked Prefill a verify call sends first (`RoundTiming.prefill_s`) is not counted as
+    its network time (at 16 sessions arriving together each waited ~370 ms for the others'
+    prefills on the code pair, and the smoothed network time of the new load level jumped
+    above 100 ms — a constant that made candidates look cheap, and the first plan there ran
+    at γ = 4–6 where 2 is best: docs/benchmarks.md); a pass whose rows are longer than a
+    round's block (`max_gamma` + 2 tokens: γ candidates, the last committed token and a guess
+    drafted ahead) holds a short prompt or a taken-over prefix, padding every row to it, and is
+    counted (`passes`) but not fitted, nor its queue and network times; a draft call that
+    first caught up on more committed tokens than a block is not taken as γ draft steps."""
 
     verify_fit = _of_the_level("verify_fit")
     plain_fit = _of_the_level("plain_fit")
@@ -133,9 +150,12 @@ class CostModel:
     verify_net = _of_the_level("verify_net")
     rest = _of_the_level("rest")
 
-    def __init__(self, decay: float = 0.9, fit_decay: float = 0.98) -> None:
+    def __init__(self, decay: float = 0.9, fit_decay: float = 0.98, max_gamma: int = 8) -> None:
         if not (0.0 < decay <= 1.0 and 0.0 < fit_decay <= 1.0):
             raise ValueError("decay and fit_decay must be in (0, 1]")
+        if max_gamma < 0:
+            raise ValueError("max_gamma must be >= 0")
+        self.max_block = max_gamma + 2  # the longest row a decoding round gives a worker
         self.timings: dict[int, _LoadTimings] = {0: _LoadTimings(decay, fit_decay)}
         self.acceptance = AcceptanceEstimate(0.99)  # over all sessions: a session's prior
         self._last_pass: dict[str, int] = {}  # target worker -> last verify pass fitted
@@ -191,21 +211,24 @@ class CostModel:
     def observe(self, gamma: int, t: RoundTiming) -> None:
         t.check()
         self._track_load()  # first: the round's figures go to the load they were measured at
-        v_fwd = t.verify_s if t.verify_forward_s is None else t.verify_forward_s
+        v_fwd = t.verify_s - t.prefill_s if t.verify_forward_s is None else t.verify_forward_s
         positions = t.batch_positions or (gamma + 1) * t.batch_size
         # every session of a pass reports it, one after another: fit each pass once (`!=`, not
         # `>`: a restarted worker numbers its passes from 1 again)
+        decoding = positions <= self.max_block * t.batch_size  # no prefill among its rows
         if t.batch_seq is None or t.batch_seq != self._last_pass.get(t.worker):
             if t.batch_seq is not None:
                 self._last_pass[t.worker] = t.batch_seq
-            plain = positions <= t.batch_size
-            (self.plain_fit if plain else self.verify_fit).add(positions, v_fwd)
+            if decoding:
+                plain = positions <= t.batch_size
+                (self.plain_fit if plain else self.verify_fit).add(positions, v_fwd)
             self.passes += 1
         self.batch_size.add(t.batch_size)
-        if v_fwd > 0:
-            self.verify_queue.add(t.verify_queue_s / v_fwd)
-        self.verify_net.add(max(t.verify_s - t.verify_queue_s - v_fwd, 0.0))
-        if gamma > 0:
+        if decoding:
+            if v_fwd > 0:
+                self.verify_queue.add(t.verify_queue_s / v_fwd)
+            self.verify_net.add(max(t.verify_s - t.prefill_s - t.verify_queue_s - v_fwd, 0.0))
+        if gamma > 0 and (t.draft_tokens is None or t.draft_tokens <= self.max_block):
             d_fwd = t.draft_s if t.draft_forward_s is None else t.draft_forward_s
             self.draft_step.add(d_fwd / gamma)
             if d_fwd > 0:

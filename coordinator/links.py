@@ -104,6 +104,7 @@ class SessionLinks:
         self.draft = Link()
         self.target = Link()
         self.draft_wait_spent = False  # a fixed-γ session waited out a draft outage
+        self.prefill_s = 0.0  # of the last verify: spent on a chunked Prefill before it
         # the digest of the committed prefix so far (it only grows during a run)
         self.prefix = PrefixDigest()
         # the round's commit still in flight (SessionRun's; the commit runs behind the next
@@ -344,6 +345,7 @@ class SessionLinks:
         deadline = time.monotonic() + settings.worker_timeout_s
         failed: set[str] = set()
         busy = 0
+        self.prefill_s = 0.0
         while True:
             if self.target.worker is None and not await self.attach("target", exclude=failed):
                 if time.monotonic() > deadline:
@@ -388,6 +390,7 @@ class SessionLinks:
         """Send a long missing prefix as a chunked Prefill, so it does not stall a batch."""
         missing = len(committed) - self.target.synced
         if missing > self.ctx.settings.prefill_threshold:
+            t0 = time.perf_counter()
             with span("specdec.prefill", tokens=missing):
                 await self._call(
                     self.target,
@@ -396,6 +399,7 @@ class SessionLinks:
                     lambda base, delta: target_pb2.PrefillRequest(base=base, delta=delta),
                     self.ctx.settings.worker_timeout_s,
                 )
+            self.prefill_s += time.perf_counter() - t0
 
     async def release(self) -> None:
         """Free the session's KV on both workers (best effort: a dead worker holds nothing).

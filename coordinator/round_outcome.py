@@ -75,6 +75,7 @@ class RecordsRounds:
             round_s=round_s,
             draft_s=t1 - t0,
             verify_s=t2 - t1,
+            prefill_s=min(self.links.prefill_s, t2 - t1),
             draft_overlapped=overlapped,
             ahead_wait_s=ahead_wait_s,
             verify_forward_s=result.forward_ns / 1e9,
@@ -87,6 +88,7 @@ class RecordsRounds:
         if proposal is not None and gamma:
             timing.draft_forward_s = proposal.forward_ns / 1e9
             timing.draft_queue_s = proposal.queue_ns / 1e9
+            timing.draft_tokens = proposal.computed_tokens
         self.policy.observe(gamma, accepted, accepted < gamma, timing, asked=asked)
         self.ctx.shedder.observe(t2 - t1)
         log.debug(

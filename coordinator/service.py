@@ -81,7 +81,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             ),
             drafts=pool("draft", settings.draft_addr),
             targets=pool("target", settings.target_addr),
-            costs=CostModel(),
+            costs=CostModel(max_gamma=settings.max_speculative_tokens),
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids(tokenizer),
             owner=settings.coordinator_id or f"coord-{uuid.uuid4().hex[:12]}",

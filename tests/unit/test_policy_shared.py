@@ -1,6 +1,7 @@
 """The adaptive γ policy across sessions: the cost model a coordinator's sessions share, and
 the batch plan of sessions that share verify passes, against simulated rounds."""
 
+import dataclasses
 import random
 import statistics
 
@@ -621,3 +622,96 @@ def test_a_lone_session_after_a_burst_plans_with_the_costs_measured_alone(model_
     else:
         assert costs.verify_fit.coefficients()[1] > 4 * fit[1]  # the burst's slope
         assert after.best_gamma() <= before - 2
+
+
+class _PrefillCountedAsDecoding(CostModel):
+    """The rule before: a Prefill's wait counted as the verify call's network time, passes
+    padded to a prompt fitted, and a draft's catch-up taken as draft steps."""
+
+    def __init__(self) -> None:
+        super().__init__(max_gamma=10**6)
+
+    def observe(self, gamma: int, t: RoundTiming) -> None:
+        super().observe(gamma, dataclasses.replace(t, prefill_s=0.0))
+
+
+def _wave_start(costs, sim, rng, sessions=16):
+    """What the coordinator reports as a wave of `sessions` requests starts together at one
+    load: each session's first round waits for the chunked Prefills of every prompt (0.3–0.4 s
+    on the code pair), and some short prompts ride in the verify pass itself, padding it."""
+    for n in range(sessions):
+        timing = sim.timing(0)
+        timing.prefill_s = rng.uniform(0.3, 0.4)
+        timing.verify_s += timing.prefill_s
+        timing.round_s += timing.prefill_s
+        if n % 4 == 0:  # a pass padded to a short prompt of 30 tokens: 0.12 ms a position
+            timing.batch_positions = sessions * 30
+            timing.verify_forward_s = timing.verify_s = 0.016 + 0.00012 * timing.batch_positions
+            timing.round_s = timing.verify_s + timing.prefill_s
+            timing.verify_s += timing.prefill_s
+        costs.observe(0, timing)
+
+
+@pytest.mark.parametrize("model_class", [CostModel, _PrefillCountedAsDecoding])
+def test_a_wave_of_prompts_does_not_make_candidates_look_cheap(model_class):
+    """16 sessions of fixed γ (2, 4, 6) have measured the workers at this load; then a wave of
+    16 adaptive sessions starts, and the batch plan at this load starts from the forecast made
+    after their first rounds. Those rounds waited for every prompt's Prefill: counted as the
+    verify call's network time, the wait is a constant ~0.35 s beside which candidates look
+    free. With the prefill kept out the forecast is the true best γ (2 on this curve, measured
+    at 16 sessions on the code pair: round = 10 + 3·γ ms of draft, 16 + 6.4·(γ + 1) of verify,
+    6 ms rest), and the plan starts there; negative control (the rule before): γ ≥ 5."""
+    rng = random.Random(3)
+    costs = model_class()
+    running = [16]
+    costs.running = lambda: running[0]
+    sim = Sim(0.7, 0.003, 0.016, 0.0004, 0.006, batch=16, draft_fixed=0.004)
+    true_rate = lambda g: expected_tokens(0.7, g) / sim.timing(g).round_s  # noqa: E731
+    best = max(range(9), key=true_rate)
+    assert best == 2
+    for n, gamma in enumerate([2, 4, 6] * 10):  # fixed-γ sessions: no plan, costs measured
+        for _ in range(16):
+            timing = sim.timing(gamma)
+            timing.batch_seq, timing.worker = n + 1, "t0"
+            accepted = 0
+            while accepted < gamma and rng.random() < 0.7:
+                accepted += 1
+            costs.acceptance.observe(accepted, accepted < gamma)
+            costs.observe(gamma, timing)
+    assert costs.level == 4
+    _wave_start(costs, sim, rng)
+    AdaptiveGamma(8, costs=costs).choose()  # the wave's first round after its prefill
+    if model_class is CostModel:
+        assert costs.plan.best == best
+    else:
+        assert costs.plan.best >= 5, costs.plan.best
+
+
+def test_passes_padded_to_a_prompt_are_not_fitted():
+    """A verify pass whose rows are longer than a round's block (γ_max + 2) holds a prompt:
+    it is counted as a pass but not fitted (its 0.12 ms a position would bend the decoding
+    line, 16 + 0.4·P ms, to a third of its slope), and a draft call that caught up on 40
+    committed tokens is not taken as 2 draft steps. Negative control: the rule before."""
+    fitted, before = CostModel(max_gamma=8), _PrefillCountedAsDecoding()
+    for costs in (fitted, before):
+        for n, positions in enumerate([32, 48, 64, 80, 16 * 40, 48, 16 * 60, 64]):
+            per = 0.0004 if positions <= 16 * 10 else 0.00012
+            seconds = 0.016 + per * positions
+            timing = RoundTiming(
+                round_s=seconds + 0.05,
+                draft_s=0.05,
+                draft_forward_s=0.045 if positions > 160 else 0.006,
+                draft_tokens=40 if positions > 160 else 3,
+                verify_s=seconds,
+                verify_forward_s=seconds,
+                batch_size=16,
+                batch_positions=positions,
+                batch_seq=n + 1,
+                worker="t0",
+            )
+            costs.observe(2, timing)
+    assert fitted.passes == before.passes == 8
+    assert fitted.verify_fit.coefficients() == pytest.approx((0.016, 0.0004), rel=1e-6)
+    assert before.verify_fit.coefficients()[1] < 0.5 * 0.0004
+    assert fitted.draft_step.get(0.0) == pytest.approx(0.003)
+    assert before.draft_step.get(0.0) > 0.006
