@@ -29,47 +29,47 @@ class BatchPlan:
 
     Sessions sharing verify passes must choose alike (a pass pads every block to the longest),
     and the cost model's forecast of a whole batch is least reliable where it matters most:
-    under load the round time hangs on how sessions fall into passes (two groups alternating
-    on the target while the other drafts, a queue), which no affine fit of one pass sees. So
-    in batches γ is held for a window of `window_passes` verify passes, and each window's
-    rounds at that γ measure its round time: the mean without the slowest eighth
-    (`typical_round_s`: a new session's prefill makes a few rounds many times longer) of
-    the rounds chosen `settle_passes` after the window began,
-    when every session has switched, leaving out each session's first rounds; its rate is
-    E(α̂, γ) / that time.
+    under load the round time hangs on how sessions fall into passes (two groups alternating on
+    the target while the other drafts, a queue), which no affine fit of one pass sees. So in
+    batches γ is held for a window of `window_passes` verify passes, and each window's rounds at
+    that γ measure its round time: the mean without the slowest eighth (`typical_round_s`: a new
+    session's prefill makes a few rounds many times longer) of the rounds chosen `settle_passes`
+    after the window began, when every session has switched, leaving out each session's first
+    rounds; its rate is E(α̂, γ) / that time.
 
     The load itself moves meanwhile (sessions arrive and finish), and a rate measured at 16
     sessions cannot be compared with one measured at 4. So γs are only ever compared side by
-    side: every `probe_every`-th window tries another γ, and the window at the plan's γ after
-    it confirms — the probe replaces the plan only when its rate beats the mean of the plan's
+    side: every `probe_every`-th window tries another γ, and the window at the plan's γ after it
+    confirms — the probe replaces the plan only when its rate beats the mean of the plan's
     windows just before and just after it (A/B/A: a steady drift of the load cancels) by
-    `margin`. Probes go in turn to half the plan's γ, a neighbour of the plan, the cost
-    model's choice among γ ≥ 1, a neighbour, γ = 0 (speculation off), a neighbour again
-    (half first: a plan far too high — under load the forecast says γ = 7 or 8 where 2 is
-    best — comes down in a few probes, not one step per probe; where the forecast is right
-    the first probe loses one window); where a kind's γ is the plan's own or was
-    probed lately, a neighbour instead: γ ± 1, the one probed longest ago (towards the cost
-    model's choice on a tie). A probe that wins becomes the plan and is followed at once by
-    one more step the same way (unless that γ lost a probe lately), so the plan climbs a step
-    per probe. Neighbours let the plan climb to the best γ; the others are there because the
-    rate need not be unimodal in γ: every γ > 0 pays the draft call's fixed costs, so γ = 1
-    can be worse than both γ = 0 and γ = 3. A window closes only after `min_rounds` measured
-    rounds (or three windows' passes, at a very low load). At γ = 0 each probe lost in a row
-    doubles the wait for the next (up to `backoff` times): where speculation does not pay, a
-    probe's window runs at a lower rate. The plan starts from the forecast; when its γ has
-    measured nothing for `max_age` windows' passes — after a pause, or back at its load level
-    after that long at others with α̂ moved by `alpha_moved` or more (another mode or text:
-    its γ may no longer be best; its first window back is then not measured, as the
-    sessions' first rounds there run slow) — it starts again from that γ, not the forecast
-    (under load the forecast ran high: γ = 4 where the windows had found 2,
-    docs/benchmarks.md), with a probe after each of its first 3 windows, the first at half
-    its γ, then a neighbour and the forecast's choice, so a load unlike the last one moves
-    it either way. A γ not measured since the last start (a load too light for a window to
-    measure) gives way to the forecast, as at the start. A probe cut short by a switch to
-    another load level's plan (`resume`), while it measured or after it measured ahead of
-    the plan but before the confirming window, is the first probe when the level is back; so
-    is a probe whose own window, or whose confirming window after it measured ahead, closed
-    with too few rounds to tell (the passes went to sessions of a fixed γ)."""
+    `margin`. Probes go in turn to half the plan's γ, a neighbour of the plan, the cost model's
+    choice among γ ≥ 1, a neighbour, γ = 0 (speculation off), a neighbour again (half first: a
+    plan far too high — under load the forecast said γ = 7 or 8 where 2 was best, in part
+    because a wave's prefills were booked as network time, and it still starts from a few
+    windows' figures — comes down in a few probes, not one step per probe; where the forecast is
+    right the first probe loses one window); where a kind's γ is the plan's own or was probed
+    lately, a neighbour instead: γ ± 1, the one probed longest ago (towards the cost model's
+    choice on a tie). A probe that wins becomes the plan and is followed at once by one more
+    step the same way (unless that γ lost a probe lately), so the plan climbs a step per probe.
+    Neighbours let the plan climb to the best γ; the others are there because the rate need not
+    be unimodal in γ: every γ > 0 pays the draft call's fixed costs, so γ = 1 can be worse than
+    both γ = 0 and γ = 3. A window closes only after `min_rounds` measured rounds (or three
+    windows' passes, at a very low load). At γ = 0 each probe lost in a row doubles the wait for
+    the next (up to `backoff` times): where speculation does not pay, a probe's window runs at a
+    lower rate. The plan starts from the forecast; when its γ has measured nothing for `max_age`
+    windows' passes — after a pause, or back at its load level after that long at others with α̂
+    moved by `alpha_moved` or more (another mode or text: its γ may no longer be best; its first
+    window back is then not measured, as the sessions' first rounds there run slow) — it starts
+    again from that γ, not the forecast (under load the forecast ran high: γ = 4 where the
+    windows had found 2, in part with a wave's prefills booked as network time,
+    docs/benchmarks.md), with a probe after each of its first 3 windows, the first at half its
+    γ, then a neighbour and the forecast's choice, so a load unlike the last one moves it either
+    way. A γ not measured since the last start (a load too light for a window to measure) gives
+    way to the forecast, as at the start. A probe cut short by a switch to another load level's
+    plan (`resume`), while it measured or after it measured ahead of the plan but before the
+    confirming window, is the first probe when the level is back; so is a probe whose own
+    window, or whose confirming window after it measured ahead, closed with too few rounds to
+    tell (the passes went to sessions of a fixed γ)."""
 
     PROBES = ("off", "neighbour", "half", "neighbour", "model", "neighbour")
     RESTART_PROBE = "half"  # the first probe after the plan starts again
