@@ -66,6 +66,8 @@ def after_guess(answer: draft_pb2.ProposeResponse) -> draft_pb2.ProposeResponse:
         forward_ns=answer.forward_ns * (n - 1) // n,
         total_ns=answer.total_ns,
         computed_tokens=answer.computed_tokens,
+        batch_size=answer.batch_size,
+        batch_positions=answer.batch_positions,
     )
 
 

@@ -81,6 +81,8 @@ class RoundTiming:
     draft_overlapped: bool = False  # the candidates were drafted ahead (draft_s: waiting only)
     ahead_wait_s: float = 0.0  # after the commit, waiting for the next block drafted ahead
     draft_tokens: int | None = None  # committed tokens the draft computed before its steps
+    draft_batch_size: int = 1  # sessions in the draft's pass
+    draft_batch_positions: int | None = None  # its first step's positions, padding included
 
     def check(self) -> None:
         values = [self.round_s, self.draft_s, self.verify_s, self.draft_queue_s]
@@ -94,6 +96,10 @@ class RoundTiming:
             raise ValueError(f"batch_size and batch_positions must be >= 1 in {self}")
         if self.draft_tokens is not None and self.draft_tokens < 0:
             raise ValueError(f"negative draft_tokens in {self}")
+        if self.draft_batch_size < 1 or (
+            self.draft_batch_positions is not None and self.draft_batch_positions < 1
+        ):
+            raise ValueError(f"draft_batch_size and draft_batch_positions must be >= 1 in {self}")
 
 
 class _LoadTimings:
@@ -137,8 +143,11 @@ class CostModel:
     at γ = 4–6 where 2 is best: docs/benchmarks.md); a pass whose rows are longer than a
     round's block (`max_gamma` + 2 tokens: γ candidates, the last committed token and a guess
     drafted ahead) holds a short prompt or a taken-over prefix, padding every row to it, and is
-    counted (`passes`) but not fitted, nor its queue and network times; a draft call that
-    first caught up on more committed tokens than a block is not taken as γ draft steps."""
+    counted (`passes`) but not fitted, nor its queue and network times; a draft call is not
+    taken as γ draft steps when it, or a session in the same draft pass, first caught up on
+    more committed tokens than a block (a prompt — the draft computes it in its first
+    Propose, padding the pass's first step — or what was committed while the session ran at
+    γ = 0)."""
 
     verify_fit = _of_the_level("verify_fit")
     plain_fit = _of_the_level("plain_fit")
@@ -208,6 +217,14 @@ class CostModel:
         intercept, slope = fit.coefficients()
         return intercept + slope * positions
 
+    def _drafting(self, t: RoundTiming) -> bool:
+        """Whether the round's draft call measured drafting: neither it nor (where the worker
+        reports its pass) a session in the same pass caught up on more than a block first."""
+        if t.draft_tokens is not None and t.draft_tokens > self.max_block:
+            return False
+        positions = t.draft_batch_positions
+        return positions is None or positions <= self.max_block * t.draft_batch_size
+
     def observe(self, gamma: int, t: RoundTiming) -> None:
         t.check()
         self._track_load()  # first: the round's figures go to the load they were measured at
@@ -228,7 +245,7 @@ class CostModel:
             if v_fwd > 0:
                 self.verify_queue.add(t.verify_queue_s / v_fwd)
             self.verify_net.add(max(t.verify_s - t.prefill_s - t.verify_queue_s - v_fwd, 0.0))
-        if gamma > 0 and (t.draft_tokens is None or t.draft_tokens <= self.max_block):
+        if gamma > 0 and self._drafting(t):
             d_fwd = t.draft_s if t.draft_forward_s is None else t.draft_forward_s
             self.draft_step.add(d_fwd / gamma)
             if d_fwd > 0:

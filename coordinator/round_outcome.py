@@ -89,6 +89,9 @@ class RecordsRounds:
             timing.draft_forward_s = proposal.forward_ns / 1e9
             timing.draft_queue_s = proposal.queue_ns / 1e9
             timing.draft_tokens = proposal.computed_tokens
+            if proposal.batch_size:
+                timing.draft_batch_size = proposal.batch_size
+                timing.draft_batch_positions = proposal.batch_positions
         self.policy.observe(gamma, accepted, accepted < gamma, timing, asked=asked)
         self.ctx.shedder.observe(t2 - t1)
         log.debug(

@@ -41,6 +41,7 @@ class ProposeOutcome:
     dist_weights: list[list[int]]
     token_only: bool
     computed_tokens: int
+    pass_longest: int = 0  # the longest delta of the pass's items (its first step's rows)
 
 
 class ModelProposer:
@@ -71,6 +72,9 @@ class ModelProposer:
             for item in items
         ]
         inputs = [item.session.pending() for item in items]
+        longest = max(map(len, inputs), default=0)
+        for outcome in outcomes:
+            outcome.pass_longest = longest
         stopped = [False] * len(items)  # the draft was unsure of its last candidate
         for step in range(max(item.gamma for item in items)):
             active = [i for i, item in enumerate(items) if step < item.gamma and not stopped[i]]

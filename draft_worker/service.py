@@ -89,6 +89,8 @@ class DraftService(WorkerService, draft_pb2_grpc.DraftWorkerServicer):
             forward_ns=run.forward_ns,
             total_ns=time.perf_counter_ns() - start,
             computed_tokens=outcome.computed_tokens,
+            batch_size=run.batch_size if outcome.pass_longest else 0,
+            batch_positions=run.batch_size * outcome.pass_longest,
         )
 
     async def ProposeStream(self, requests, context):

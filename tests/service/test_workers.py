@@ -106,6 +106,8 @@ def test_next_round_after_rollback_equals_a_fresh_forward(
         )
     # fed: the recovered/bonus token, and y_γ after a full acceptance (proposed, never fed)
     assert proposal.computed_tokens == 1 + (n == GAMMA)
+    # its pass (alone here): one session, its first step as long as that delta
+    assert (proposal.batch_size, proposal.batch_positions) == (1, proposal.computed_tokens)
     first_step = next(logits for s, _, logits in calls if s == sid)
     assert torch.allclose(first_step[-1], fresh_logits(draft_model, history)[-1], atol=ATOL)
     fresh = draft.stub.Propose(
@@ -113,6 +115,7 @@ def test_next_round_after_rollback_equals_a_fresh_forward(
         timeout=RPC_TIMEOUT_S,
     )
     assert fresh.computed_tokens == len(history)
+    assert (fresh.batch_size, fresh.batch_positions) == (1, len(history))
     assert list(proposal.candidate_ids) == list(fresh.candidate_ids)
     for ours, theirs in zip(proposal.draft_dists, fresh.draft_dists, strict=True):
         ours_q = dict(zip(ours.token_ids, ours.weights))

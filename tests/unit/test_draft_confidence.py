@@ -98,3 +98,29 @@ def test_a_stopped_session_does_not_stop_the_others_in_its_batch(runtime):
     assert together[0].candidates == alone[0]
     assert len(together[1].candidates) < GAMMA  # negative control: the other one did stop
     assert together[1].candidates == alone[1][: len(together[1].candidates)]
+
+
+def test_a_pass_reports_its_longest_delta_to_every_session_in_it(runtime):
+    """A new prompt and a session one token past its last pass in one draft pass: the pass's
+    first step computes both rows at the prompt's length, and both outcomes say so (the
+    coordinator leaves such passes out of its draft step estimate); each keeps its own
+    `computed_tokens`. Negative control: the running session alone reports its own delta."""
+    prompt = runtime.tokenizer.encode(PROMPTS[2])
+    proposer = ModelProposer(runtime, wire_top_k=8)
+
+    def running(name):  # its KV holds the prompt already: one new token to feed
+        session = KVSession(name)
+        session.sync(prompt)
+        proposer.process([ProposeItem(session, len(prompt), 1, SamplingParams(), 0, True)])
+        session.sync(prompt + [prompt[0]])
+        return ProposeItem(session, len(prompt) + 1, 2, SamplingParams(), 0, True)
+
+    new = KVSession("new")
+    new.sync(prompt)
+    together = proposer.process(
+        [running("a"), ProposeItem(new, len(prompt), 2, SamplingParams(), 0, True)]
+    )
+    assert [o.computed_tokens for o in together] == [1, len(prompt)]
+    assert [o.pass_longest for o in together] == [len(prompt), len(prompt)]
+    (alone,) = proposer.process([running("b")])
+    assert alone.computed_tokens == alone.pass_longest == 1

@@ -632,7 +632,7 @@ class _PrefillCountedAsDecoding(CostModel):
         super().__init__(max_gamma=10**6)
 
     def observe(self, gamma: int, t: RoundTiming) -> None:
-        super().observe(gamma, dataclasses.replace(t, prefill_s=0.0))
+        super().observe(gamma, dataclasses.replace(t, prefill_s=0.0, draft_batch_positions=None))
 
 
 def _wave_start(costs, sim, rng, sessions=16):
@@ -715,3 +715,29 @@ def test_passes_padded_to_a_prompt_are_not_fitted():
     assert before.verify_fit.coefficients()[1] < 0.5 * 0.0004
     assert fitted.draft_step.get(0.0) == pytest.approx(0.003)
     assert before.draft_step.get(0.0) > 0.006
+
+
+def test_a_draft_pass_padded_to_another_sessions_prompt_is_not_taken_as_draft_steps():
+    """The draft computes a prompt in a session's first Propose, and every session in that
+    pass waits for it (the first step's rows padded to the prompt): their draft calls are not
+    taken as γ draft steps (the pass's positions, `draft_batch_positions`, tell), while a
+    pass of decoding rounds is. Negative control: the rule before."""
+    fitted, before = CostModel(max_gamma=8), _PrefillCountedAsDecoding()
+    for costs in (fitted, before):
+        for n in range(12):
+            padded = n % 3 == 1  # a prompt of 200 tokens in the pass: 40 ms instead of 6
+            timing = RoundTiming(
+                round_s=0.1,
+                draft_s=0.045 if padded else 0.008,
+                draft_forward_s=0.04 if padded else 0.006,
+                draft_tokens=3,  # this session's own delta: a round's
+                draft_batch_size=8,
+                draft_batch_positions=8 * (200 if padded else 3),
+                verify_s=0.05,
+                verify_forward_s=0.05,
+                batch_size=8,
+                batch_positions=24,
+            )
+            costs.observe(2, timing)
+    assert fitted.draft_step.get(0.0) == pytest.approx(0.003)
+    assert before.draft_step.get(0.0) > 0.005
