@@ -80,7 +80,6 @@ class RoundTiming:
     worker: str = ""  # the target worker's address
     draft_overlapped: bool = False  # the candidates were drafted ahead (draft_s: waiting only)
     ahead_wait_s: float = 0.0  # after the commit, waiting for the next block drafted ahead
-    draft_tokens: int | None = None  # committed tokens the draft computed before its steps
     draft_batch_size: int = 1  # sessions in the draft's pass
     draft_batch_positions: int | None = None  # its first step's positions, padding included
 
@@ -94,8 +93,6 @@ class RoundTiming:
             raise ValueError(f"prefill_s exceeds verify_s in {self}")
         if self.batch_size < 1 or (self.batch_positions is not None and self.batch_positions < 1):
             raise ValueError(f"batch_size and batch_positions must be >= 1 in {self}")
-        if self.draft_tokens is not None and self.draft_tokens < 0:
-            raise ValueError(f"negative draft_tokens in {self}")
         if self.draft_batch_size < 1 or (
             self.draft_batch_positions is not None and self.draft_batch_positions < 1
         ):
@@ -144,10 +141,11 @@ class CostModel:
     round's block (`max_gamma` + 2 tokens: γ candidates, the last committed token and a guess
     drafted ahead) holds a short prompt or a taken-over prefix, padding every row to it, and is
     counted (`passes`) but not fitted, nor its queue and network times; a draft call is not
-    taken as γ draft steps when it, or a session in the same draft pass, first caught up on
-    more committed tokens than a block (a prompt — the draft computes it in its first
-    Propose, padding the pass's first step — or what was committed while the session ran at
-    γ = 0)."""
+    taken as γ draft steps when a session in its draft pass (itself or another; the pass's
+    positions tell, `ProposeResponse.batch_positions`) first caught up on more committed
+    tokens than a block (a prompt — the draft computes it in its first Propose, padding the
+    pass's first step — or what was committed while the session ran at γ = 0). One rule for
+    both tiers' passes: `_decoding`."""
 
     verify_fit = _of_the_level("verify_fit")
     plain_fit = _of_the_level("plain_fit")
@@ -217,13 +215,11 @@ class CostModel:
         intercept, slope = fit.coefficients()
         return intercept + slope * positions
 
-    def _drafting(self, t: RoundTiming) -> bool:
-        """Whether the round's draft call measured drafting: neither it nor (where the worker
-        reports its pass) a session in the same pass caught up on more than a block first."""
-        if t.draft_tokens is not None and t.draft_tokens > self.max_block:
-            return False
-        positions = t.draft_batch_positions
-        return positions is None or positions <= self.max_block * t.draft_batch_size
+    def _decoding(self, positions: int | None, sessions: int) -> bool:
+        """Whether a worker's pass of `sessions` rows that computed `positions` (padding
+        included; None: not reported) held decoding rounds only: a row longer than a round's
+        block (a prompt, a catch-up) pads every row to it."""
+        return positions is None or positions <= self.max_block * sessions
 
     def observe(self, gamma: int, t: RoundTiming) -> None:
         t.check()
@@ -232,7 +228,7 @@ class CostModel:
         positions = t.batch_positions or (gamma + 1) * t.batch_size
         # every session of a pass reports it, one after another: fit each pass once (`!=`, not
         # `>`: a restarted worker numbers its passes from 1 again)
-        decoding = positions <= self.max_block * t.batch_size  # no prefill among its rows
+        decoding = self._decoding(positions, t.batch_size)
         if t.batch_seq is None or t.batch_seq != self._last_pass.get(t.worker):
             if t.batch_seq is not None:
                 self._last_pass[t.worker] = t.batch_seq
@@ -245,7 +241,7 @@ class CostModel:
             if v_fwd > 0:
                 self.verify_queue.add(t.verify_queue_s / v_fwd)
             self.verify_net.add(max(t.verify_s - t.prefill_s - t.verify_queue_s - v_fwd, 0.0))
-        if gamma > 0 and self._drafting(t):
+        if gamma > 0 and self._decoding(t.draft_batch_positions, t.draft_batch_size):
             d_fwd = t.draft_s if t.draft_forward_s is None else t.draft_forward_s
             self.draft_step.add(d_fwd / gamma)
             if d_fwd > 0:

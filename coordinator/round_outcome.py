@@ -88,8 +88,7 @@ class RecordsRounds:
         if proposal is not None and gamma:
             timing.draft_forward_s = proposal.forward_ns / 1e9
             timing.draft_queue_s = proposal.queue_ns / 1e9
-            timing.draft_tokens = proposal.computed_tokens
-            if proposal.batch_size:
+            if proposal.batch_size:  # the draft's pass (a model proposer reports it)
                 timing.draft_batch_size = proposal.batch_size
                 timing.draft_batch_positions = proposal.batch_positions
         self.policy.observe(gamma, accepted, accepted < gamma, timing, asked=asked)

@@ -690,7 +690,7 @@ def test_a_wave_of_prompts_does_not_make_candidates_look_cheap(model_class):
 def test_passes_padded_to_a_prompt_are_not_fitted():
     """A verify pass whose rows are longer than a round's block (γ_max + 2) holds a prompt:
     it is counted as a pass but not fitted (its 0.12 ms a position would bend the decoding
-    line, 16 + 0.4·P ms, to a third of its slope), and a draft call that caught up on 40
+    line, 16 + 0.4·P ms, to a third of its slope), and a draft call whose pass caught up on 40
     committed tokens is not taken as 2 draft steps. Negative control: the rule before."""
     fitted, before = CostModel(max_gamma=8), _PrefillCountedAsDecoding()
     for costs in (fitted, before):
@@ -701,7 +701,8 @@ def test_passes_padded_to_a_prompt_are_not_fitted():
                 round_s=seconds + 0.05,
                 draft_s=0.05,
                 draft_forward_s=0.045 if positions > 160 else 0.006,
-                draft_tokens=40 if positions > 160 else 3,
+                draft_batch_positions=16 * (40 if positions > 160 else 3),
+                draft_batch_size=16,
                 verify_s=seconds,
                 verify_forward_s=seconds,
                 batch_size=16,
@@ -730,7 +731,6 @@ def test_a_draft_pass_padded_to_another_sessions_prompt_is_not_taken_as_draft_st
                 round_s=0.1,
                 draft_s=0.045 if padded else 0.008,
                 draft_forward_s=0.04 if padded else 0.006,
-                draft_tokens=3,  # this session's own delta: a round's
                 draft_batch_size=8,
                 draft_batch_positions=8 * (200 if padded else 3),
                 verify_s=0.05,
